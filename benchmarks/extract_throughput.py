@@ -1,0 +1,153 @@
+"""Extraction throughput on the GPU, all in one run with the same prompts (prints a table, writes metrics.json):
+
+  (a) plain SGLang prefill, no capture (max_new_tokens 0, many requests in flight)
+  (b) eagle3kit capture at its best concurrency (bf16 and fp8 storage)
+  (c) the serial method used before: one request in flight, max_new_tokens 1
+Ratios b/a (target >= 0.9) and b/c (target >= 10), bytes per token per storage.
+``--engine transformers`` measures the CPU reference engine instead (tokens/s).
+
+usage: python benchmarks/extract_throughput.py --out DIR [--samples 2000] [--server-args ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def prompts_from_sharegpt(tok, n, max_tokens):
+    from eagle3kit.extract import load_samples
+
+    samples, _ = load_samples("embedded:sharegpt", tok, n, max_tokens)
+    return {s.key: s.input_ids for s in samples}
+
+
+def timed_capture(client, prompts, concurrency):
+    t = time.time()
+    markers = client.capture_many(prompts.items(), concurrency=concurrency)
+    dt = time.time() - t
+    bad = [m for m in markers if m.get("status") != "ok"]
+    return sum(map(len, prompts.values())) / dt, dt, bad, markers
+
+
+def plain_prefill(url, prompts, concurrency, max_new_tokens=0):
+    import requests
+
+    def one(item):
+        key, ids = item
+        s = requests.Session()
+        r = s.post(url + "/generate", json={"input_ids": ids, "rid": f"plain-{key}-{max_new_tokens}",
+                                            "sampling_params": {"max_new_tokens": max_new_tokens}}, timeout=600)
+        r.raise_for_status()
+    t = time.time()
+    with ThreadPoolExecutor(concurrency) as ex:
+        list(ex.map(one, prompts.items()))
+    return sum(map(len, prompts.values())) / (time.time() - t)
+
+
+def gpu(a):
+    from transformers import AutoTokenizer
+
+    from eagle3kit.capture.client import CaptureClient
+    from eagle3kit.capture.server import SGLangServer, capture_server
+    from eagle3kit.pipeline import default_aux
+    from eagle3kit.target import TargetInfo, resolve_target
+
+    path = resolve_target(a.target)
+    info = TargetInfo.read(path)
+    aux = default_aux(info.num_layers)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = prompts_from_sharegpt(tok, a.samples, a.max_tokens)
+    n_tokens = sum(map(len, prompts.values()))
+    out = Path(a.out)
+    work = Path(a.work)
+    shutil.rmtree(work, ignore_errors=True)
+    extra = list(a.server_args)
+    # one GPU, three servers started in turn (each --mem-fraction-static counts what the earlier ones hold)
+    mem = lambda f: ["--mem-fraction-static", str(f)]  # noqa: E731
+    servers = {"plain": SGLangServer(path, port=31000, extra_args=extra + ["--disable-cuda-graph"] + mem(0.15),
+                                     log_path=out / "bench-plain.log"),
+               "bf16": capture_server(path, work / "bf16", aux, port=31001, extra_args=extra + mem(0.4),
+                                      log_path=out / "bench-capture-bf16.log"),
+               "fp8": capture_server(path, work / "fp8", aux, port=31002, storage="fp8", extra_args=extra + mem(0.65),
+                                     log_path=out / "bench-capture-fp8.log")}
+    res = {"bench_prompts": len(prompts), "bench_tokens": n_tokens}
+    try:
+        for s in servers.values():
+            s.start().wait_healthy()
+        warm = dict(list(prompts.items())[:32])
+        plain_prefill(servers["plain"].url, warm, 32)
+        res["plain_prefill_tokens_per_s"] = max(plain_prefill(servers["plain"].url, prompts, c) for c in a.concurrency)
+        best = 0.0
+        for storage in ("bf16", "fp8"):
+            client = CaptureClient(servers[storage].url, work / storage)
+            client.capture_many(((f"warm{k}", v) for k, v in warm.items()), 32)
+            for c in a.concurrency:
+                tps, dt, bad, markers = timed_capture(client, prompts, c)
+                res[f"capture_{storage}_conc{c}_tokens_per_s"] = tps
+                res[f"capture_{storage}_conc{c}_failed"] = len(bad)
+                if storage == "bf16":
+                    best = max(best, tps)
+            ok = [m for m in markers if m.get("status") == "ok"]
+            res[f"bytes_per_token_{storage}"] = sum(m["bytes"] for m in ok) / sum(m["n_tokens"] for m in ok)
+            res[f"capture_{storage}_status"] = json.dumps(client.status().get("rank0", {}).get("counts", {}))
+        serial = dict(list(prompts.items())[:a.serial_samples])
+        res["serial_tokens_per_s"] = plain_prefill(servers["plain"].url, serial, 1, max_new_tokens=1)
+    finally:
+        for s in servers.values():
+            s.stop()
+    res["extract_tokens_per_s"] = best
+    res["ratio_vs_plain"] = best / res["plain_prefill_tokens_per_s"]
+    res["ratio_vs_serial"] = best / res["serial_tokens_per_s"]
+    res["bytes_per_token_best"] = min(res["bytes_per_token_bf16"], res["bytes_per_token_fp8"])
+    res["bytes_ratio_fp8_vs_bf16"] = res["bytes_per_token_fp8"] / res["bytes_per_token_bf16"]
+    return res
+
+
+def cpu(a):
+    from eagle3kit.capture.reference import ReferenceEngine
+    from eagle3kit.pipeline import default_aux
+    from eagle3kit.target import TargetInfo, resolve_target
+
+    path = resolve_target(a.target)
+    info = TargetInfo.read(path)
+    engine = ReferenceEngine(path, default_aux(info.num_layers))
+    prompts = prompts_from_sharegpt(engine.tokenizer, a.samples, a.max_tokens)
+    work = Path(a.work)
+    shutil.rmtree(work, ignore_errors=True)
+    engine.hidden(next(iter(prompts.values())))
+    t = time.time()
+    for k, ids in prompts.items():
+        engine.capture(work, k, ids)
+    dt = time.time() - t
+    n = sum(map(len, prompts.values()))
+    return {"bench_prompts": len(prompts), "bench_tokens": n, "reference_cpu_tokens_per_s": n / dt}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=["sglang", "transformers"], default="sglang")
+    p.add_argument("--target", default="embedded:smollm2")
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--serial-samples", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--out", required=True, help="folder for metrics.json and logs")
+    p.add_argument("--work", default="/tmp/eagle3kit-bench", help="scratch folder for the captures")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
+    a = p.parse_args(argv)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    res = gpu(a) if a.engine == "sglang" else cpu(a)
+    width = max(map(len, res))
+    for k, v in res.items():
+        print(f"{k.ljust(width)}  {v:,.3f}" if isinstance(v, float) else f"{k.ljust(width)}  {v}")
+    (Path(a.out) / "metrics.json").write_text(json.dumps(res, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

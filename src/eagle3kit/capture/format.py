@@ -1,0 +1,126 @@
+"""The capture file: one safetensors file per request (per rank), in speculators' sample layout, plus a marker.
+
+``<key>.rank<r>.safetensors``
+    hidden_states   [T, n_aux + 1, H]  bf16   residual stream at the aux layer boundaries, then the last layer's
+                                              output before the final norm (speculators' training input)
+    (fp8 storage:   hidden_states_fp8 [T, n, H] float8_e4m3fn + hidden_states_scale [T, n] float32 instead)
+    token_ids       [T] int64
+    final_normed    [T, H] bf16 (optional)    the final norm's output, what the logits see (SpecForge's hidden_state)
+    metadata        layer ids in the "input of layer k" convention, engine, rank, tp size, storage
+``<key>.rank<r>.json``
+    the marker, written last: {"status": "ok", "sha256", "bytes", "n_tokens", ...} or
+    {"status": "incomplete" | "error", "reason": ...}. Its presence means the request is finished.
+Both are written under a temporary name and renamed, so a reader never sees half a file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+FORMAT = "eagle3kit-capture/1"
+STORAGES = ("bf16", "fp8", "fp32")  # fp32: exact copies of a float32 engine (TP check on the CPU)
+FP8_MAX = 448.0  # float8_e4m3fn
+
+
+def capture_metadata(engine: str, model: str, rank: int, tp_size: int, layer_ids: list[int], num_layers: int,
+                     final_normed: bool) -> dict:
+    """What every capture file says about itself (the hook and the reference engine write the same)."""
+    return {"engine": engine, "model": model, "rank": rank, "tp_size": tp_size, "layer_ids": list(layer_ids),
+            "layer_convention": "input_of_layer", "num_layers": num_layers, "final_normed": final_normed,
+            "final": f"output of layer {num_layers - 1} before the final norm"}
+
+
+def sample_name(key: str, rank: int) -> str:
+    return f"{key}.rank{rank}"
+
+
+def encode(tensors: dict, storage: str = "bf16") -> dict:
+    """Turn captured tensors into the stored tensors of one storage option."""
+    if storage not in STORAGES:
+        raise ValueError(f"storage {storage!r} unknown: choose one of {STORAGES}")
+    hs = tensors["hidden_states"]
+    out = {"token_ids": tensors["token_ids"].to(torch.int64).contiguous()}
+    if storage in ("bf16", "fp32"):
+        out["hidden_states"] = hs.to(torch.bfloat16 if storage == "bf16" else torch.float32).contiguous()
+    else:
+        x = hs.float()
+        scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)  # one scale per token and layer
+        out["hidden_states_fp8"] = (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).contiguous()
+        out["hidden_states_scale"] = scale.contiguous()
+    if tensors.get("final_normed") is not None:
+        fdt = torch.float32 if storage == "fp32" else torch.bfloat16
+        out["final_normed"] = tensors["final_normed"].to(fdt).contiguous()
+    return out
+
+
+def decode(stored: dict) -> dict:
+    """The inverse of ``encode``: ``hidden_states`` in bf16 whatever the storage (what training reads)."""
+    out = dict(stored)
+    if "hidden_states_fp8" in out:
+        q = out.pop("hidden_states_fp8").float()
+        out["hidden_states"] = (q * out.pop("hidden_states_scale").unsqueeze(-1)).to(torch.bfloat16)
+    if "hidden_states" not in out or "token_ids" not in out:
+        raise ValueError(f"not an eagle3kit capture: tensors {sorted(stored)}")
+    return out
+
+
+def serialize(tensors: dict, metadata: dict) -> bytes:
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
+    meta["format"] = FORMAT
+    return save(tensors, metadata=meta)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_sample(out_dir: Path, key: str, rank: int, tensors: dict, metadata: dict, storage: str = "bf16",
+                 extra_marker: dict | None = None) -> dict:
+    """Encode, write ``<key>.rank<r>.safetensors`` then its marker; returns the marker."""
+    stored = encode(tensors, storage)
+    blob = serialize(stored, {**metadata, "storage": storage})
+    name = sample_name(key, rank)
+    atomic_write(Path(out_dir) / f"{name}.safetensors", blob)
+    hs = stored.get("hidden_states", stored.get("hidden_states_fp8"))
+    marker = {"status": "ok", "key": key, "rank": rank, "file": f"{name}.safetensors", "bytes": len(blob),
+              "sha256": hashlib.sha256(blob).hexdigest(), "n_tokens": int(hs.shape[0]),
+              "n_states": int(hs.shape[1]), "hidden_size": int(hs.shape[2]), "storage": storage,
+              "time": time.time(), **(extra_marker or {})}
+    write_marker(out_dir, key, rank, marker)
+    return marker
+
+
+def write_marker(out_dir: Path, key: str, rank: int, marker: dict) -> None:
+    atomic_write(Path(out_dir) / f"{sample_name(key, rank)}.json", json.dumps(marker).encode())
+
+
+def read_marker(out_dir: Path, key: str, rank: int = 0) -> dict | None:
+    p = Path(out_dir) / f"{sample_name(key, rank)}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def read_sample(path: Path) -> tuple[dict, dict]:
+    """(decoded tensors, metadata) of one capture file."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    return decode(stored), {k: _maybe_json(v) for k, v in meta.items()}
+
+
+def _maybe_json(v: str):
+    try:
+        return json.loads(v)
+    except (ValueError, TypeError):
+        return v

@@ -1,0 +1,242 @@
+"""The capture hook SGLang loads through its own ``--forward-hooks`` extension point (no edits to SGLang).
+
+What it takes, from where (SGLang 0.5.14, Llama-style models; DESIGN.md lists the internals relied on):
+  * ``model.layers.{k-1}`` forward hook, ``output = (hidden_states, residual)``: the residual stream entering
+    layer k is ``hidden_states + residual`` (the next layer's fused add-RMSNorm works in place, so the sum is
+    taken at once into a new tensor). The last layer's sum is the final state before the norm.
+  * ``logits_processor`` forward hook, ``args = (input_ids, hidden_states, lm_head, forward_batch, ...)``: it runs
+    last in every forward, so it closes the forward: token ids from ``args[0]``, the normed final state from
+    ``args[1]`` when asked for.
+  * ``ForwardBatch``: ``forward_mode`` (only ``ForwardMode.EXTEND``; DECODE, MIXED, TARGET_VERIFY, IDLE are
+    skipped), ``rids``, ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu`` (rows are packed in ``rids`` order).
+
+Hot path per selected forward: one add and (for mixed batches) one gather per hooked layer on the GPU, then a
+copy into pinned host memory on a side stream; the writer thread waits for the copy, splits, reassembles chunks
+and writes. Every hook body is wrapped: an exception is counted and reported in ``_status.rank<r>.json`` and in
+the request's marker, never raised into SGLang.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from eagle3kit.capture.assemble import gather_index, select_rows
+from eagle3kit.capture.format import capture_metadata
+from eagle3kit.capture.rid import RID_PREFIX
+from eagle3kit.capture.writer import CaptureWriter, Job
+
+log = logging.getLogger("eagle3kit.capture")
+FACTORY = "eagle3kit.capture.hook"
+_SESSIONS: dict[str, "CaptureSession"] = {}
+
+
+def capture_config(capture_dir: str, aux_layer_ids, num_layers: int, *, final_normed: bool = False,
+                   ranks="0", storage: str = "bf16", rid_prefix: str = RID_PREFIX, max_inflight_mb: int = 2048,
+                   io_threads: int = 4, model: str = "") -> dict:
+    """The hook's config. ``aux_layer_ids`` use the "input of layer k" convention (speculators/vLLM); the final
+    pre-norm state (input of layer ``num_layers``) is always appended as the last slot."""
+    aux = [int(k) for k in aux_layer_ids]
+    bad = [k for k in aux if not 1 <= k < num_layers]
+    if bad:
+        raise ValueError(f"aux_layer_ids {bad} out of range: in the 'input of layer k' convention k must be in "
+                         f"[1, {num_layers - 1}] for a {num_layers}-layer model (0 would be the embeddings)")
+    if ranks not in ("0", "all") and not isinstance(ranks, list):
+        raise ValueError(f"ranks={ranks!r}: use '0' (one rank, default), 'all' (TP check) or a list of ranks")
+    return {"capture_dir": str(capture_dir), "aux_layer_ids": aux, "num_layers": int(num_layers),
+            "final_normed": bool(final_normed), "ranks": ranks, "storage": storage, "rid_prefix": rid_prefix,
+            "max_inflight_mb": int(max_inflight_mb), "io_threads": int(io_threads), "model": str(model)}
+
+
+def slot_layers(config: dict) -> list[int]:
+    """Input-of-layer ids of the ``hidden_states`` slots, in file order: aux layers, then the final state."""
+    return config["aux_layer_ids"] + [config["num_layers"]]
+
+
+def forward_hooks(config: dict, layer_module: str = "model.layers.{}") -> list[dict]:
+    """The ``--forward-hooks`` JSON for SGLang: one entry per decoder layer to read, one closing entry."""
+    layers = sorted({k - 1 for k in slot_layers(config)})
+    specs = [{"name": f"eagle3kit_layer{j}", "target_modules": [layer_module.format(j)],
+              "hook_factory": f"{FACTORY}:layer_hook", "config": {**config, "layer": j}} for j in layers]
+    specs.append({"name": "eagle3kit_end", "target_modules": ["logits_processor"],
+                  "hook_factory": f"{FACTORY}:end_hook", "config": config})
+    return specs
+
+
+class _Forward:
+    """Captured rows of the forward in progress."""
+    __slots__ = ("fb", "sel", "index", "slots", "extra", "nbytes")
+
+    def __init__(self, fb, sel, index, n_slots):
+        self.fb, self.sel, self.index = fb, sel, index
+        self.slots = [None] * n_slots
+        self.extra: dict = {}
+        self.nbytes = 0
+
+
+class CaptureSession:
+    """Per process (one per TP rank): routes layer outputs of selected rows to the writer."""
+
+    def __init__(self, config: dict, rank: int = 0, tp_size: int = 1, extend_mode=None, forward_batch_type=None):
+        self.config = config
+        self.rank, self.tp_size = rank, tp_size
+        self.extend_mode = extend_mode
+        self.fb_type = forward_batch_type
+        self.prefix = config["rid_prefix"]
+        ranks = config["ranks"]
+        self.active = ranks == "all" or (ranks == "0" and rank == 0) or (isinstance(ranks, list) and rank in ranks)
+        slots = slot_layers(config)
+        self.n_slots = len(slots)
+        self.layer_slots: dict[int, list[int]] = {}
+        for i, k in enumerate(slots):
+            self.layer_slots.setdefault(k - 1, []).append(i)
+        self.cur: _Forward | None = None
+        self._stream = None
+        self.writer = None
+        if self.active:
+            meta = capture_metadata("sglang", config["model"], rank, tp_size, slots, config["num_layers"],
+                                    config["final_normed"])
+            self.writer = CaptureWriter(config["capture_dir"], rank, meta, storage=config["storage"],
+                                        io_threads=config["io_threads"],
+                                        max_inflight_bytes=config["max_inflight_mb"] << 20)
+
+    # -- hook bodies (called by the wrappers below, inside try/except) ---------------------------------------
+    def _forward_batch(self, args, pos):
+        if len(args) > pos and (self.fb_type is None or isinstance(args[pos], self.fb_type)):
+            return args[pos]
+        for a in args:
+            if self.fb_type is not None and isinstance(a, self.fb_type):
+                return a
+        return None
+
+    def _state(self, fb, total_rows: int):
+        if self.cur is not None and self.cur.fb is fb:
+            return self.cur
+        if self.cur is not None:  # the previous forward never reached the logits processor
+            self.writer.note("forwards_abandoned")
+        self.cur = None
+        if fb.forward_mode != self.extend_mode or fb.rids is None:
+            return None
+        sel = select_rows(fb.rids, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, self.prefix)
+        for kind, n in sel.ignored.items():
+            self.writer.ignored[kind] += n
+        for rid, why in sel.bad_rids:
+            self.writer.note("bad_rids")
+            self.writer.last_error = why
+        if not sel.spans:
+            self.cur = _Forward(fb, sel, None, 0)  # remembered so that later layers return at once
+            return self.cur
+        index = gather_index(sel, total_rows)
+        if index is not None:
+            index = index.to(self._device_of(fb), non_blocking=True)
+        self.cur = _Forward(fb, sel, index, self.n_slots)
+        return self.cur
+
+    @staticmethod
+    def _device_of(fb):
+        ids = getattr(fb, "input_ids", None)
+        return ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
+
+    def _copy(self, st: _Forward, x: torch.Tensor) -> torch.Tensor:
+        rows = x if st.index is None else x.index_select(0, st.index)
+        st.nbytes += rows.numel() * rows.element_size()
+        if not rows.is_cuda:
+            return rows.detach().clone()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=rows.device)
+        self._stream.wait_stream(torch.cuda.current_stream(rows.device))
+        with torch.cuda.stream(self._stream):
+            dst = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            dst.copy_(rows, non_blocking=True)
+        rows.record_stream(self._stream)
+        return dst
+
+    def on_layer(self, layer: int, args, output):
+        fb = self._forward_batch(args, 2)
+        if fb is None:
+            return
+        # Llama/Qwen return (hidden, residual); DeepSeek-V2/V3 (hidden, residual, topk_indices)
+        h, r = (output[0], output[1]) if isinstance(output, tuple) else (output, None)
+        st = self._state(fb, h.shape[0])
+        if st is None or not st.sel.spans:
+            return
+        x = h + r if r is not None else h
+        cpu = self._copy(st, x)
+        for i in self.layer_slots.get(layer, ()):
+            st.slots[i] = cpu
+
+    def on_end(self, args):
+        fb = self._forward_batch(args, 3)
+        if fb is None:
+            return
+        mode = getattr(fb.forward_mode, "name", str(fb.forward_mode)).lower()
+        self.writer.note(f"forwards_{mode}")
+        st = self._state(fb, args[1].shape[0])
+        self.cur = None
+        if st is None or not st.sel.spans:
+            return
+        missing = [k for k, idx in self.layer_slots.items() if any(st.slots[i] is None for i in idx)]
+        if missing:
+            raise RuntimeError(f"no output captured from decoder layers {missing}: their hooks did not fire "
+                               f"(module names differ from the layer_module template?)")
+        tensors = {"hidden_states": st.slots, "token_ids": self._copy(st, args[0])}
+        if self.config["final_normed"]:
+            tensors["final_normed"] = self._copy(st, args[1])
+        event = None
+        if self._stream is not None and args[1].is_cuda:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self.writer.submit(Job(st.sel, tensors, event, st.nbytes))
+
+
+def _session(config: dict) -> CaptureSession:
+    key = config["capture_dir"]
+    if key not in _SESSIONS:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+        try:
+            rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        except Exception:  # noqa: BLE001 - not initialised: a single process
+            rank, size = 0, 1
+        _SESSIONS[key] = CaptureSession(config, rank, size, ForwardMode.EXTEND, ForwardBatch)
+        log.info("eagle3kit capture: rank %d/%d active=%s layers=%s -> %s", rank, size,
+                 _SESSIONS[key].active, slot_layers(config), key)
+    return _SESSIONS[key]
+
+
+def _guarded(session: CaptureSession, where: str, fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - never raise into SGLang
+        session.cur = None
+        if session.writer is not None:
+            session.writer.error(where, e)
+
+
+def layer_hook(config: dict):
+    """SGLang hook factory for one decoder layer (``config["layer"]``)."""
+    session = _session(config)
+    if not session.active:
+        return None  # SGLang registers nothing for a factory that returns None
+    layer = int(config["layer"])
+
+    def hook(module, args, output):
+        _guarded(session, f"layer {layer}", session.on_layer, layer, args, output)
+    return hook
+
+
+def end_hook(config: dict):
+    """SGLang hook factory for the logits processor: closes each forward."""
+    session = _session(config)
+    if not session.active:
+        return None
+
+    def hook(module, args, output):
+        _guarded(session, "end", session.on_end, args)
+    return hook
+
+
+def dumps(specs: list[dict]) -> str:
+    return json.dumps(specs, separators=(",", ":"))

@@ -1,0 +1,130 @@
+"""Start and stop a capture-enabled SGLang server (the GPU side).
+
+eagle3kit adds only what capture needs: the ``--forward-hooks`` JSON, CUDA graphs off (hooks do not fire inside a
+captured graph, and the default piecewise prefill graph compiles the decoder layers), 127.0.0.1, and for DeepSeek-
+style models the FlashInfer all-reduce fusion off (it leaves per-rank partial sums in the layer outputs under TP).
+Every other SGLang flag (TP, DP, multi-node, quantization, attention backend ...) passes through untouched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from eagle3kit.capture.hook import capture_config, dumps, forward_hooks
+from eagle3kit.layers import DEEPSEEK_TYPES
+from eagle3kit.target import TargetInfo
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def _has(args: list[str], *flags: str) -> bool:
+    return any(a == f or a.startswith(f + "=") for a in args for f in flags)
+
+
+def server_command(model_path, port: int = 30000, host: str = "127.0.0.1", capture: dict | None = None,
+                   extra_args=(), layer_module: str = "model.layers.{}", python: str = sys.executable) -> list[str]:
+    extra = list(extra_args)
+    for flag in ("--model-path", "--port", "--host", "--forward-hooks"):
+        if _has(extra, flag):
+            raise ServerError(f"extra_args sets {flag}: eagle3kit sets it; pass it through the matching parameter")
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port)]
+    if capture is not None:
+        cmd += ["--forward-hooks", dumps(forward_hooks(capture, layer_module))]
+        if not _has(extra, "--disable-cuda-graph", "--cuda-graph-backend-prefill", "--disable-piecewise-cuda-graph"):
+            cmd += ["--disable-cuda-graph"]
+        info = TargetInfo.read(Path(model_path))
+        if info.model_type in DEEPSEEK_TYPES and not _has(extra, "--enforce-disable-flashinfer-allreduce-fusion"):
+            cmd += ["--enforce-disable-flashinfer-allreduce-fusion"]
+    return cmd + extra
+
+
+class SGLangServer:
+    """``with SGLangServer(model, capture=capture_config(...)) as s: ...`` starts, waits for health, stops."""
+
+    def __init__(self, model_path, port: int = 30000, host: str = "127.0.0.1", capture: dict | None = None,
+                 extra_args=(), log_path=None, layer_module: str = "model.layers.{}", env: dict | None = None,
+                 startup_timeout: float = 600):
+        self.cmd = server_command(model_path, port, host, capture, extra_args, layer_module)
+        self.url = f"http://{host}:{port}"
+        self.capture = capture
+        self.log_path = Path(log_path or f"sglang-{port}.log")
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "SGLangServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.capture is not None:
+            Path(self.capture["capture_dir"]).mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self._log.write("# " + shlex.join(self.cmd) + "\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        self.started = time.time()
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def wait_healthy(self, timeout: float | None = None) -> float:
+        import requests
+
+        deadline = time.time() + (timeout or self.startup_timeout)
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"SGLang exited with code {self.proc.returncode} while starting; log "
+                                  f"{self.log_path}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return time.time() - self.started
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise ServerError(f"SGLang not healthy after {timeout or self.startup_timeout:.0f} s; log {self.log_path}:\n"
+                          f"{self.log_tail()}")
+
+    def stop(self, grace: float = 20) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(grace)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+    def __enter__(self):
+        self.start()
+        self.wait_healthy()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_normed=False, ranks="0",
+                   storage="bf16", extra_args=(), log_path=None, **kw) -> SGLangServer:
+    info = TargetInfo.read(Path(model_path))
+    cfg = capture_config(capture_dir, aux_layer_ids, info.num_layers, final_normed=final_normed, ranks=ranks,
+                         storage=storage, model=str(model_path))
+    return SGLangServer(model_path, port=port, capture=cfg, extra_args=extra_args, log_path=log_path, **kw)
+
+
+def describe(server: SGLangServer) -> str:
+    return json.dumps({"url": server.url, "cmd": server.cmd[:6] + ["..."]})

@@ -1,0 +1,167 @@
+"""The capture's writer thread: waits for the asynchronous device-to-host copies, splits and reassembles
+requests, writes files atomically, and keeps ``_status.rank<r>.json`` up to date. Nothing here raises into the
+caller: failures are counted and written as markers.
+
+Memory is bounded: ``submit`` blocks while more than ``max_inflight_bytes`` of copies wait to be written
+(back-pressure on the server rather than an unbounded queue or lost samples).
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import traceback
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3kit.capture.assemble import Piece, Reassembler, Selection
+from eagle3kit.capture.format import atomic_write, write_marker, write_sample
+
+
+@dataclass
+class Job:
+    """One forward's captured rows: tensors hold only the selected rows, in span order."""
+    selection: Selection
+    tensors: dict  # name -> CPU tensor [n_rows, ...]; "hidden_states" is a list of [n_rows, H] per slot
+    event: object | None  # CUDA event recorded after the copies (None on the CPU)
+    nbytes: int
+
+
+class CaptureWriter:
+    def __init__(self, out_dir, rank: int, metadata: dict, storage: str = "bf16", io_threads: int = 4,
+                 max_inflight_bytes: int = 2 << 30, max_pending: int = 4096):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.rank, self.metadata, self.storage = rank, metadata, storage
+        self.max_inflight = max_inflight_bytes
+        self.reassembler = Reassembler(max_pending)
+        self.counts: Counter = Counter()
+        self.ignored: Counter = Counter()
+        self.last_error = ""
+        self.inflight = 0
+        self._cv = threading.Condition()
+        self._q: queue.Queue = queue.Queue()
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="e3k-io")
+        self._io_pending = 0
+        self._status_at = 0.0
+        self._thread = threading.Thread(target=self._loop, name="e3k-writer", daemon=True)
+        self._thread.start()
+
+    # -- called from the forward (scheduler thread) --------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self.inflight + job.nbytes > self.max_inflight and self.inflight > 0:
+                self.counts["backpressure_waits"] += 1
+                self._cv.wait_for(lambda: self.inflight + job.nbytes <= self.max_inflight or self.inflight == 0)
+            self.inflight += job.nbytes
+        self._q.put(job)
+
+    def note(self, what: str, n: int = 1) -> None:
+        with self._cv:
+            self.counts[what] += n
+
+    def error(self, where: str, exc: BaseException) -> None:
+        self.note("errors")
+        self.last_error = f"{where}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+        self._status(force=True)
+
+    # -- writer thread -------------------------------------------------------------------------------------
+    def _loop(self):
+        while True:
+            job = self._q.get()
+            if job is None:
+                break
+            try:
+                self._handle(job)
+            except Exception as e:  # noqa: BLE001 - the server must keep serving
+                self.error("writer", e)
+            finally:
+                with self._cv:
+                    self.inflight -= job.nbytes
+                    self._cv.notify_all()
+                self._q.task_done()
+            self._status()
+
+    def _handle(self, job: Job):
+        if job.event is not None:
+            job.event.synchronize()
+        t = job.tensors
+        hidden = torch.stack(t["hidden_states"], dim=1)  # [n_rows, n_slots, H]
+        row = 0
+        for span in job.selection.spans:
+            n = span.stop - span.start
+            piece = {"hidden_states": hidden[row:row + n], "token_ids": t["token_ids"][row:row + n]}
+            if "final_normed" in t:
+                piece["final_normed"] = t["final_normed"][row:row + n]
+            row += n
+            for outcome in self.reassembler.add(Piece(span, piece)):
+                self._finish(outcome)
+
+    def _finish(self, outcome):
+        if outcome.status != "ok":
+            self.note("incomplete")
+            self._submit_io(write_marker, self.out_dir, outcome.key, self.rank,
+                            {"status": "incomplete", "key": outcome.key, "rid": outcome.rid, "rank": self.rank,
+                             "reason": outcome.reason, "chunks": outcome.chunks, "time": time.time()})
+            return
+        self.note("captured")
+        self.note("chunked", int(outcome.chunks > 1))
+        # clone: the rows are views of a pinned batch buffer that must not stay alive for the whole write queue
+        tensors = {k: v.clone() for k, v in outcome.tensors.items()}
+        self._submit_io(self._write, outcome.key, outcome.rid, outcome.chunks, tensors)
+
+    def _write(self, key, rid, chunks, tensors):
+        write_sample(self.out_dir, key, self.rank, tensors, self.metadata, self.storage,
+                     extra_marker={"rid": rid, "chunks": chunks})
+        self.note("written")
+
+    def _submit_io(self, fn, *args):
+        def run():
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001
+                self.error("io", e)
+            finally:
+                with self._cv:
+                    self._io_pending -= 1
+                    idle = self._io_pending == 0 and self._q.unfinished_tasks == 0
+                    self._cv.notify_all()
+                self._status(force=idle)  # the last write of a burst always lands in the status file
+        with self._cv:
+            self._io_pending += 1
+        self._io.submit(run)
+
+    # -- status --------------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        return {"rank": self.rank, "counts": dict(self.counts), "ignored_rows_by_kind": dict(self.ignored),
+                "pending_partial": len(self.reassembler.pending), "inflight_bytes": self.inflight,
+                "queue": self._q.qsize(), "last_error": self.last_error, "time": time.time()}
+
+    def _status(self, force: bool = False):
+        now = time.time()
+        if force or now - self._status_at > 0.5:
+            self._status_at = now
+            try:
+                atomic_write(self.out_dir / f"_status.rank{self.rank}.json", json.dumps(self.status()).encode())
+            except OSError:
+                pass
+
+    def flush(self, timeout: float = 60.0) -> dict:
+        """Wait until every submitted job is written (tests, shutdown); returns the status."""
+        self._q.join()
+        with self._cv:
+            self._cv.wait_for(lambda: self._io_pending == 0, timeout=timeout)
+        self._status(force=True)
+        return self.status()
+
+    def close(self):
+        self.flush()
+        self._q.put(None)
+        self._thread.join(timeout=10)
+        self._io.shutdown(wait=True)
+        self._status(force=True)

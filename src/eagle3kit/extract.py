@@ -1,0 +1,190 @@
+"""Batch extraction: a conversation data set in, a verified hidden-state data set out (see ``store``).
+
+Resumable: a sample is in the manifest only once its file is on disk, and a rerun skips what the manifest holds,
+so a crash loses at most the samples in flight. Two engines write the same files: ``sglang`` (a capture server,
+one or several for data parallelism) and ``transformers`` (the reference engine, on the CPU).
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3kit.capture.format import STORAGES
+from eagle3kit.data.conversations import load_conversations, split_of
+from eagle3kit.data.render import mask_spans, render
+from eagle3kit.store import ManifestWriter, StoreError, check_settings, read_manifest, token_sha256
+
+
+class PreflightError(RuntimeError):
+    pass
+
+
+@dataclass
+class Sample:
+    key: str
+    index: int
+    conv_id: str
+    split: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int = 0, heldout_percent: float = 5.0,
+                    world_size: int = 1, rank: int = 0, min_loss_tokens: int = 1) -> list[Sample]:
+    """Render, mask and shard (sample i belongs to rank i % world_size). Keys are stable across reruns."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    out = []
+    for i, conv in enumerate(conversations):
+        if i % world_size != rank:
+            continue
+        r = render(tokenizer, conv["messages"], max_tokens=max_tokens)
+        if sum(r.loss_mask) < min_loss_tokens:
+            continue
+        out.append(Sample(f"s{i:07d}", i, conv["id"], split_of(conv["id"], seed, heldout_percent),
+                          r.input_ids, r.loss_mask))
+    return out
+
+
+def bytes_per_token(n_states: int, hidden_size: int, storage: str, final_normed: bool = False) -> float:
+    per = {"bf16": n_states * hidden_size * 2, "fp8": n_states * (hidden_size + 4),
+           "fp32": n_states * hidden_size * 4}[storage]
+    return per + 8 + (hidden_size * (4 if storage == "fp32" else 2) if final_normed else 0)  # + int64 token id (+ normed final state)
+
+
+def preflight(samples, n_states: int, hidden_size: int, storage: str, out_dir: Path, final_normed=False,
+              margin: float = 0.05) -> dict:
+    """Estimated bytes against free disk; refuses before anything is written."""
+    tokens = sum(len(s.input_ids) for s in samples)
+    need = int(tokens * bytes_per_token(n_states, hidden_size, storage, final_normed))
+    probe = Path(out_dir)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    est = {"tokens": tokens, "estimated_bytes": need, "free_bytes": free}
+    if need > free * (1 - margin):
+        raise PreflightError(
+            f"extraction needs about {need / 1e9:.2f} GB ({tokens} tokens x {n_states} layers x {hidden_size} x "
+            f"{storage}) but {probe} has {free / 1e9:.2f} GB free. Fix: free space, choose another --out, use "
+            f"--storage fp8 (about half), or fewer samples/tokens")
+    return est
+
+
+class ReferenceBackend:
+    """The transformers engine, one prompt per forward (CPU)."""
+
+    def __init__(self, engine, storage: str = "bf16"):
+        self.engine, self.storage = engine, storage
+
+    def run(self, samples_dir: Path, todo: list[Sample], on_done) -> None:
+        for s in todo:
+            try:
+                m = self.engine.capture(samples_dir, s.key, s.input_ids, storage=self.storage)
+            except Exception as e:  # noqa: BLE001 - keep going, report the sample as failed
+                m = {"status": "error", "key": s.key, "reason": f"{type(e).__name__}: {e}"}
+            on_done(s.key, m)
+
+
+class SGLangBackend:
+    """Capture servers (one URL per data-parallel server) whose hooks write into ``samples_dir``; with no URLs,
+    ``start_server()`` starts one, and only when there is work to do."""
+
+    def __init__(self, urls, concurrency: int = 64, timeout: float = 600, start_server=None):
+        self.urls, self.concurrency, self.timeout = list(urls), concurrency, timeout
+        self.start_server = start_server
+
+    def run(self, samples_dir: Path, todo: list[Sample], on_done) -> None:
+        from eagle3kit.capture.client import CaptureClient
+
+        server = None
+        if not self.urls:
+            if self.start_server is None:
+                raise ValueError("engine sglang needs urls of capture servers, or a server to start")
+            server = self.start_server()
+            self.urls = [server.url]
+        try:
+            client = CaptureClient(self.urls, samples_dir, timeout=self.timeout)
+            client.capture_many(((s.key, s.input_ids) for s in todo), concurrency=self.concurrency, on_done=on_done)
+        finally:
+            if server is not None:
+                server.stop()
+
+
+def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: bool = True) -> dict:
+    """Capture every sample not yet in the manifest; returns totals for metrics.json."""
+    out_dir = Path(out_dir)
+    if settings.get("storage") not in STORAGES:
+        raise ValueError(f"storage {settings.get('storage')!r}: choose one of {STORAGES}")
+    check_settings(out_dir, settings)
+    samples_dir = out_dir / "samples"
+    samples_dir.mkdir(parents=True, exist_ok=True)
+    done = read_manifest(out_dir)
+    by_key = {s.key: s for s in samples}
+    for key, e in done.items():
+        s = by_key.get(key)
+        if s is not None and e["token_sha256"] != token_sha256(s.input_ids):
+            raise StoreError(f"sample {key} in {out_dir} was made from other tokens (the data or template changed)."
+                             f" Fix: use a new output directory; nothing was changed")
+    todo = [s for s in samples if s.key not in done or not (samples_dir / done[s.key]["file"]).exists()]
+    est = preflight(todo, len(settings["layer_ids"]), settings["hidden_size"], settings["storage"], out_dir,
+                    settings.get("final_normed", False))
+    totals = {"written": 0, "failed": 0, "tokens": 0, "bytes": 0}
+    failures = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), unit="sample", desc="extract", smoothing=0.1)
+    manifest = ManifestWriter(out_dir)
+    t0 = time.time()
+
+    def on_done(key, marker):
+        s = by_key[key]
+        ok = marker.get("status") == "ok" and marker.get("n_tokens") == len(s.input_ids)
+        if ok:
+            manifest.append({"key": key, "index": s.index, "conv_id": s.conv_id, "split": s.split,
+                             "n_tokens": len(s.input_ids), "file": marker["file"], "bytes": marker["bytes"],
+                             "sha256": marker["sha256"], "token_sha256": token_sha256(s.input_ids),
+                             "loss_spans": mask_spans(s.loss_mask), "storage": marker.get("storage")})
+            totals["written"] += 1
+            totals["tokens"] += len(s.input_ids)
+            totals["bytes"] += marker["bytes"]
+        else:
+            totals["failed"] += 1
+            failures.append({"key": key, "status": marker.get("status"),
+                             "reason": marker.get("reason", f"n_tokens {marker.get('n_tokens')} != {len(s.input_ids)}")})
+        if bar is not None:
+            dt = max(time.time() - t0, 1e-9)
+            bar.set_postfix(tok_s=f"{totals['tokens'] / dt:,.0f}", GB=f"{totals['bytes'] / 1e9:.2f}",
+                            failed=totals["failed"], refresh=False)
+            bar.update(1)
+
+    try:
+        if todo:
+            backend.run(samples_dir, todo, on_done)
+    finally:
+        manifest.close()
+        if bar is not None:
+            bar.close()
+    seconds = time.time() - t0
+    return {"samples": len(samples), "already_done": len(samples) - len(todo), **totals, "seconds": seconds,
+            "tokens_per_s": totals["tokens"] / seconds if seconds > 0 else 0.0,
+            "estimated_bytes": est["estimated_bytes"], "failures": failures}
+
+
+def settings_for(target_path, info, layer_ids, storage, data, max_tokens, final_normed=False) -> dict:
+    return {"target": str(target_path), "num_layers": info.num_layers, "hidden_size": info.hidden_size,
+            "layer_ids": list(layer_ids), "layer_convention": "input_of_layer", "storage": storage,
+            "final_normed": final_normed, "data": data, "max_tokens": max_tokens}
+
+
+def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int, seed: int = 0,
+                 heldout_percent: float = 5.0, world_size: int = 1, rank: int = 0):
+    """Conversations -> rendered samples of this shard; also returns the loader's report (truncation etc.)."""
+    if max_samples is not None and max_samples <= 0:
+        raise ValueError(f"max_samples={max_samples}: give a positive number or None for all")
+    limit = None if max_samples is None else max_samples * world_size
+    convs, report = load_conversations(data, limit=limit)
+    return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank), report

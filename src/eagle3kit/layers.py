@@ -1,0 +1,162 @@
+"""The layer doctor: which hidden state "layer k" means in each engine, and whether a capture, a drafter config and
+a serving engine agree. One convention travels inside eagle3kit: ``input_of_layer`` (k = the residual stream
+entering decoder layer k = output of layer k-1; k = L = the last layer's output before the final norm).
+
+| convention        | id k in a config means                                   | who                          |
+| input_of_layer    | input of layer k; L = final, pre-norm                    | eagle3kit, speculators, vLLM,|
+|                   |                                                          | SafeAILab EAGLE-3            |
+| hf_hidden_states  | transformers hidden_states[k]; k = L is AFTER the norm   | transformers                 |
+| sglang_llama      | output of layer k (SGLang adds 1): input of layer k + 1  | SGLang Llama/Qwen, SpecForge |
+| sglang_deepseek   | +1 only when ids[0] == 1, else input of layer k          | SGLang DeepSeek-V2/V3, Kimi  |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+CONVENTIONS = ("input_of_layer", "speculators", "vllm", "eagle", "hf_hidden_states", "sglang_llama", "specforge",
+               "sglang_deepseek")
+_SAME_AS_INPUT = {"input_of_layer", "speculators", "vllm", "eagle", "hf_hidden_states"}
+_OUTPUT_OF = {"sglang_llama", "specforge"}
+DEEPSEEK_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "kimi_vl"}
+
+
+class NotExpressible(ValueError):
+    pass
+
+
+def _check_convention(convention: str):
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown layer-id convention {convention!r}; known: {CONVENTIONS}")
+
+
+def sglang_convention(model_type: str) -> str:
+    """The convention SGLang applies to ``eagle_aux_hidden_state_layer_ids`` for a target ``model_type``."""
+    return "sglang_deepseek" if model_type in DEEPSEEK_TYPES else "sglang_llama"
+
+
+def sglang_default_aux(num_layers: int) -> list[int]:
+    """What SGLang captures (input_of_layer) when the drafter config names no layer ids."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def to_input_of_layer(ids, convention: str, num_layers: int) -> list[int]:
+    """Layer ids of ``convention`` -> eagle3kit's input_of_layer ids."""
+    _check_convention(convention)
+    ids = [int(k) for k in ids]
+    if convention in _SAME_AS_INPUT:
+        out = ids
+    elif convention in _OUTPUT_OF:
+        out = [k + 1 for k in ids]
+    else:  # sglang_deepseek: the rule looks at the first id only
+        out = [k + 1 for k in ids] if ids and ids[0] == 1 else ids
+    bad = [k for k, o in zip(ids, out) if not 0 <= o <= num_layers]
+    if bad:
+        raise ValueError(f"layer ids {bad} ({convention}) fall outside a {num_layers}-layer model")
+    return out
+
+
+def from_input_of_layer(ids, convention: str, num_layers: int) -> list[int]:
+    """input_of_layer ids -> the ids to write in a config of ``convention`` (NotExpressible if none exist)."""
+    _check_convention(convention)
+    ids = [int(k) for k in ids]
+    if convention in _SAME_AS_INPUT:
+        out = ids
+    elif convention in _OUTPUT_OF:
+        out = [k - 1 for k in ids]
+        if min(out, default=0) < 0 or (convention == "sglang_llama" and max(out, default=0) > num_layers - 2):
+            raise NotExpressible(f"input_of_layer {ids}: SGLang Llama captures outputs of layers 0..{num_layers - 2}")
+    else:
+        out = ids if not ids or ids[0] != 1 else [k - 1 for k in ids]
+        if to_input_of_layer(out, convention, num_layers) != ids:
+            raise NotExpressible(f"input_of_layer {ids} cannot be written for SGLang DeepSeek: ids starting with 1 "
+                                 f"get +1, so the input of layer 1 can only come with the +1 rule on every id")
+    if to_input_of_layer(out, convention, num_layers) != ids:
+        raise NotExpressible(f"input_of_layer {ids} has no {convention} form")
+    return out
+
+
+def describe(k: int, num_layers: int) -> str:
+    """Plain words for one input_of_layer id."""
+    if k == 0:
+        return "the embeddings (input of layer 0)"
+    if k == num_layers:
+        return f"the output of the last layer ({num_layers - 1}) before the final norm"
+    return f"the output of layer {k - 1} (input of layer {k})"
+
+
+@dataclass
+class Finding:
+    level: str  # "ok" | "warning" | "error"
+    what: str
+    fix: str = ""
+
+
+@dataclass
+class Diagnosis:
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.level == "error" for f in self.findings)
+
+    def table(self) -> list[dict]:
+        return [{"level": f.level, "what": f.what, "fix": f.fix} for f in self.findings]
+
+    def __str__(self) -> str:
+        return "\n".join(f"[{f.level}] {f.what}" + (f"\n        fix: {f.fix}" if f.fix else "") for f in self.findings)
+
+
+def check(capture_layer_ids, drafter_config: dict, model_type: str, num_layers: int, engine: str = "sglang",
+          final_is_pre_norm: bool = True, trainer: str = "speculators") -> Diagnosis:
+    """Do the capture (input_of_layer ids, aux then final), the drafter config and the serving engine agree?"""
+    d = Diagnosis()
+    cap = [int(k) for k in capture_layer_ids]
+    trained_aux, final = cap[:-1], cap[-1]
+    if final != num_layers:
+        d.findings.append(Finding("error", f"the capture's last slot is {describe(final, num_layers)}, not the final "
+                                  f"state", f"capture with the final state (input_of_layer {num_layers}) last"))
+    eagle = drafter_config.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids", drafter_config.get("eagle_aux_hidden_state_layer_ids"))
+    conv = sglang_convention(model_type) if engine == "sglang" else "input_of_layer"
+    served = sglang_default_aux(num_layers) if ids is None else to_input_of_layer(ids, conv, num_layers)
+    source = "SGLang's default (config has no eagle_aux_hidden_state_layer_ids)" if ids is None else \
+        f"eagle_aux_hidden_state_layer_ids {ids} read by {engine} as {conv}"
+    if served == trained_aux:
+        d.findings.append(Finding("ok", f"{source} feeds the drafter " +
+                                  ", ".join(describe(k, num_layers) for k in served) + ", as in training"))
+    else:
+        try:
+            want = from_input_of_layer(trained_aux, conv, num_layers)
+            fix = f"set eagle_config.eagle_aux_hidden_state_layer_ids = {want} in the drafter's config.json"
+        except NotExpressible as e:
+            fix = f"recapture with layers the engine can feed ({e})"
+        offsets = sorted({s - t for s, t in zip(served, trained_aux)}) if len(served) == len(trained_aux) else []
+        d.findings.append(Finding("error", f"{source} feeds input_of_layer {served}, but the drafter was trained on "
+                                  f"{trained_aux}" + (f" (offset {offsets})" if offsets else ""), fix))
+    if not final_is_pre_norm and trainer == "speculators":
+        d.findings.append(Finding("error", "the final state was captured after the norm; speculators applies the "
+                                  "target's norm itself", "capture the final state before the norm (the default)"))
+    if drafter_config.get("norm_before_residual") and engine == "sglang":
+        d.findings.append(Finding("warning", "norm_before_residual=True: SGLang's LlamaForCausalLMEagle3 has no such "
+                                  "option and runs the drafter without it", "train with norm_before_residual=False"))
+    return d
+
+
+def token_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Median over tokens of |a - b| / |b| per token: the metric that tells layers apart.
+
+    A whole-tensor relative error is dominated by attention-sink tokens whose norm is 100x the others (SmolLM2:
+    25,000 vs 150), which makes neighbouring layers look 1.5 % apart; per token they are 20 % or more apart,
+    while bf16 rounding is 0.2 %.
+    """
+    a, b = a.float().reshape(-1, a.shape[-1]), b.float().reshape(-1, b.shape[-1])
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)).median().item()
+
+
+def identify(captured: torch.Tensor, candidates: dict) -> tuple:
+    """Which reference state is ``captured``? Returns (best name, its per-token error, all errors)."""
+    errs = {name: token_rel_err(captured, ref) for name, ref in candidates.items() if ref.shape == captured.shape}
+    best = min(errs, key=errs.get)
+    return best, errs[best], errs

@@ -1,0 +1,45 @@
+"""Where a notebook writes its numbers: one flat ``metrics.json`` per executed notebook.
+
+The runner sets ``EAGLE3KIT_STEP_DIR`` for each notebook it executes; a notebook opened by hand in JupyterLab
+writes under ``outputs/interactive/<notebook>/`` instead, so both ways leave the same files.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+STEP_DIR_ENV = "EAGLE3KIT_STEP_DIR"
+Scalar = (int, float, str, bool)
+
+
+def step_dir(name: str = "notebook") -> Path:
+    """The folder of the running step (plots, logs and work files go there)."""
+    d = os.environ.get(STEP_DIR_ENV)
+    path = Path(d) if d else Path("outputs") / "interactive" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _check(key: str, value):
+    if not isinstance(key, str) or not key.isidentifier():
+        raise ValueError(f"metric name {key!r} must be an identifier such as 'capture_max_rel_err'")
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        value = value.item()
+    if value is None or not isinstance(value, Scalar):
+        raise TypeError(f"metric {key!r} must be a number, string or bool (flat metrics.json), got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"metric {key!r} is {value}: record finite numbers only")
+    return value
+
+
+def record(**metrics) -> dict:
+    """Merge named numbers/strings into the step's ``metrics.json`` and return the whole dict."""
+    path = step_dir() / "metrics.json"
+    current = json.loads(path.read_text()) if path.exists() else {}
+    current.update({k: _check(k, v) for k, v in metrics.items()})
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(current, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return current

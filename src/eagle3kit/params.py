@@ -1,0 +1,113 @@
+"""Pipeline parameters: a YAML file resolved into one parameter dict per notebook, checked before anything runs.
+
+Papermill only warns about a parameter the notebook does not declare; here an unknown or mistyped key, or a value
+of the wrong type, is an error that names the key, the notebook and the fix.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+TOP_KEYS = {"experiment", "steps", "common", "notebooks", "output_root"}
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list,), "dict": (dict,)}
+
+
+class ParamsError(ValueError):
+    """A parameter file that cannot run; the message says which key, which notebook, and the fix."""
+
+
+@dataclass
+class Plan:
+    experiment: str
+    steps: list[str]
+    output_root: Path
+    per_step: dict[str, dict] = field(default_factory=dict)  # step -> parameters papermill injects
+
+
+def load_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ParamsError(f"parameter file {path} does not exist (see params/ for examples)") from None
+    except yaml.YAMLError as e:
+        raise ParamsError(f"parameter file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ParamsError(f"parameter file {path} must hold a mapping with keys {sorted(TOP_KEYS)}")
+    return data
+
+
+def _suggest(key: str, known) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _type_ok(value, declared: str) -> bool:
+    if value is None or declared in ("None", "", None) or declared not in _TYPES:
+        return True
+    if isinstance(value, bool) and declared in ("int", "float"):
+        return False
+    return isinstance(value, _TYPES[declared])
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``--set step.key=value`` / ``--set key=value`` (common); the value is parsed as YAML."""
+    for item in overrides:
+        if "=" not in item:
+            raise ParamsError(f"--set {item!r}: write KEY=VALUE or STEP.KEY=VALUE")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw)
+        if "." in key:
+            step, k = key.split(".", 1)
+            data.setdefault("notebooks", {}).setdefault(step, {})[k] = value
+        else:
+            data.setdefault("common", {})[key] = value
+    return data
+
+
+def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None, source: str = "params") -> Plan:
+    """Check ``data`` against each notebook's declared parameters (papermill.inspect_notebook) and resolve.
+
+    ``declared`` maps step name -> {param name: {"inferred_type_name": ..., "default": ...}}.
+    """
+    unknown_top = set(data) - TOP_KEYS
+    if unknown_top:
+        k = sorted(unknown_top)[0]
+        raise ParamsError(f"{source}: unknown top-level key {k!r}; allowed: {sorted(TOP_KEYS)}.{_suggest(k, TOP_KEYS)}")
+    steps = list(data.get("steps") or declared)
+    for s in steps:
+        if s not in declared:
+            raise ParamsError(f"{source}: step {s!r} has no notebook notebooks/{s}.ipynb.{_suggest(s, declared)}")
+    if only:
+        for s in only:
+            if s not in steps:
+                raise ParamsError(f"--only {s}: not a step of {source} (steps: {steps}).{_suggest(s, steps)}")
+        steps = [s for s in steps if s in only]
+    common = data.get("common") or {}
+    sections = data.get("notebooks") or {}
+    for s in sections:
+        if s not in declared:
+            raise ParamsError(f"{source}: notebooks.{s}: no such notebook.{_suggest(s, declared)}")
+    for k in common:
+        if not any(k in declared[s] for s in steps):
+            known = {p for s in steps for p in declared[s]}
+            raise ParamsError(f"{source}: common.{k}: no notebook of this run declares {k!r}.{_suggest(k, known)}")
+    per_step = {}
+    for s in steps:
+        params = {k: v for k, v in common.items() if k in declared[s]}
+        for k, v in (sections.get(s) or {}).items():
+            if k not in declared[s]:
+                raise ParamsError(
+                    f"{source}: notebooks.{s}.{k}: notebook {s} declares no parameter {k!r}.{_suggest(k, declared[s])}"
+                    f" Its parameters: {sorted(declared[s])}")
+            params[k] = v
+        for k, v in params.items():
+            want = declared[s][k].get("inferred_type_name")
+            if not _type_ok(v, want):
+                raise ParamsError(f"{source}: {s}.{k} = {v!r} is a {type(v).__name__}, but notebook {s} declares"
+                                  f" {k} as {want} (default {declared[s][k].get('default')})")
+        per_step[s] = params
+    return Plan(experiment=str(data.get("experiment") or "default"), steps=steps,
+                output_root=Path(data.get("output_root") or "outputs"), per_step=per_step)

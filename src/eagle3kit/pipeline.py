@@ -1,0 +1,50 @@
+"""The steps the notebooks call, with their defaults: one place that ties target, data, engine and store."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3kit.capture.reference import ReferenceEngine
+from eagle3kit.extract import ReferenceBackend, SGLangBackend, extract, load_samples, settings_for
+from eagle3kit.layers import sglang_default_aux
+from eagle3kit.store import verify
+from eagle3kit.target import TargetInfo, resolve_target
+
+
+def default_aux(num_layers: int) -> list[int]:
+    """EAGLE-3's usual aux layers in the input_of_layer convention (what SGLang feeds with no ids configured)."""
+    return sglang_default_aux(num_layers)
+
+
+def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir="outputs/extract", engine="transformers",
+                   urls=(), aux_layer_ids=None, max_samples=None, max_tokens=2048, storage="bf16", concurrency=64,
+                   world_size=1, rank=0, final_normed=False, server_args=(), progress=True, seed=0,
+                   heldout_percent=5.0) -> dict:
+    path = resolve_target(target)
+    info = TargetInfo.read(path)
+    aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
+    layer_ids = aux + [info.num_layers]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    samples, report = load_samples(data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank)
+    settings = settings_for(path, info, layer_ids, storage, data, max_tokens, final_normed)
+    if engine == "transformers":
+        backend = ReferenceBackend(ReferenceEngine(path, aux, final_normed=final_normed), storage)
+    elif engine == "sglang":
+        def start_server():
+            from eagle3kit.capture.server import capture_server
+
+            s = capture_server(path, Path(out_dir) / "samples", aux, final_normed=final_normed, storage=storage,
+                               extra_args=server_args, log_path=Path(out_dir) / "sglang.log")
+            s.start().wait_healthy()
+            return s
+        backend = SGLangBackend(urls, concurrency, start_server=start_server)
+    else:
+        raise ValueError(f"engine {engine!r}: choose 'transformers' (CPU reference) or 'sglang' (GPU server)")
+    summary = extract(samples, out_dir, backend, settings, progress=progress)
+    rep = verify(out_dir)
+    summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
+                   data_records=report.records, data_kept=report.kept,
+                   data_truncated_at_byte=report.truncated_at_byte or 0, layer_ids=layer_ids)
+    summary["failures_list"] = summary.pop("failures")
+    return summary

@@ -1,0 +1,136 @@
+"""``eagle3kit run``: execute the pipeline's notebooks with papermill, one run folder per invocation.
+
+outputs/<experiment>/<timestamp>/
+  params.yaml            the resolved parameters of every step
+  status.json            per step: pending / running / ok / failed (with the failing cell)
+  metrics.json           all steps' metrics merged (flat)
+  <step>/<step>.ipynb    the executed notebook (papermill's error banner included when a cell failed)
+  <step>/metrics.json    what that notebook recorded through eagle3kit.record
+"""
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from eagle3kit.metrics import STEP_DIR_ENV
+from eagle3kit.params import ParamsError, Plan, apply_overrides, load_yaml, resolve
+
+KERNEL_NAME = "eagle3kit"
+log = logging.getLogger("eagle3kit.run")
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+def declared_parameters(notebook: Path) -> dict:
+    """Parameters a notebook declares in its ``parameters`` cell, with a type from the annotation or default."""
+    import papermill as pm
+
+    declared = pm.inspect_notebook(str(notebook))
+    for p in declared.values():
+        if p.get("inferred_type_name") in (None, "None", ""):
+            try:
+                default = ast.literal_eval(p["default"])
+                p["inferred_type_name"] = None if default is None else type(default).__name__
+            except (ValueError, SyntaxError):
+                p["inferred_type_name"] = None
+    return declared
+
+
+def notebooks_in(folder: Path) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(Path(folder).glob("*.ipynb"))}
+
+
+def ensure_kernel(root: Path) -> None:
+    """A kernelspec named ``eagle3kit`` that runs *this* interpreter, put first on JUPYTER_PATH.
+
+    Notebooks then execute with the same Python (and packages) as the runner, whatever kernels the machine has.
+    """
+    spec_dir = root / "kernels" / KERNEL_NAME
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "eagle3kit", "language": "python"}))
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("JUPYTER_PATH")]))
+
+
+def plan_run(params_file: Path, notebooks_dir: Path, only=None, overrides=()) -> Plan:
+    data = apply_overrides(load_yaml(params_file), list(overrides))
+    available = notebooks_in(notebooks_dir)
+    if not available:
+        raise ParamsError(f"no notebooks in {notebooks_dir}: pass --notebooks DIR")
+    declared = {name: declared_parameters(path) for name, path in available.items()}
+    return resolve(data, declared, only=only, source=str(params_file))
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def execute(plan: Plan, notebooks_dir: Path, run_dir: Path | None = None, cwd: Path | None = None) -> Path:
+    """Run every step of ``plan``; returns the run folder. Raises StepFailed naming the notebook and cell."""
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(run_dir or plan.output_root / plan.experiment / stamp).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "params.yaml").write_text(yaml.safe_dump(
+        {"experiment": plan.experiment, "steps": plan.steps, "notebooks": plan.per_step}, sort_keys=False))
+    status = {s: {"state": "pending"} for s in plan.steps}
+    _write_json(run_dir / "status.json", status)
+    ensure_kernel(Path(tempfile.mkdtemp(prefix="eagle3kit-kernel-")))
+    merged: dict = {}
+    for i, step in enumerate(plan.steps, 1):
+        step_dir = run_dir / step
+        step_dir.mkdir(exist_ok=True)
+        out_nb = step_dir / f"{step}.ipynb"
+        print(f"[{i}/{len(plan.steps)}] {step}: {plan.per_step[step] or 'notebook defaults'}", flush=True)
+        status[step] = {"state": "running", "started": time.time()}
+        _write_json(run_dir / "status.json", status)
+        os.environ[STEP_DIR_ENV] = str(step_dir)
+        t0 = time.time()
+        try:
+            pm.execute_notebook(str(notebooks_dir / f"{step}.ipynb"), str(out_nb), parameters=plan.per_step[step],
+                                kernel_name=KERNEL_NAME, log_output=True, progress_bar=False,
+                                cwd=str(cwd or Path.cwd()))
+        except PapermillExecutionError as e:
+            status[step] = {"state": "failed", "cell": e.exec_count, "cell_index": e.cell_index,
+                            "error": f"{e.ename}: {e.evalue}", "seconds": round(time.time() - t0, 1)}
+            _write_json(run_dir / "status.json", status)
+            raise StepFailed(f"step {step} failed in cell {e.exec_count} (index {e.cell_index}): {e.ename}: "
+                             f"{e.evalue}\n  executed notebook with the error: {out_nb}") from None
+        finally:
+            os.environ.pop(STEP_DIR_ENV, None)
+        metrics_file = step_dir / "metrics.json"
+        step_metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+        merged.update(step_metrics)
+        _write_json(run_dir / "metrics.json", merged)
+        status[step] = {"state": "ok", "seconds": round(time.time() - t0, 1), "metrics": len(step_metrics)}
+        _write_json(run_dir / "status.json", status)
+        print(f"[{i}/{len(plan.steps)}] {step}: ok in {time.time() - t0:.0f} s, {len(step_metrics)} metrics", flush=True)
+    return run_dir
+
+
+def run(params_file, notebooks_dir=None, only=None, overrides=(), run_dir=None) -> Path:
+    params_file = Path(params_file)
+    if notebooks_dir is None:
+        guess = params_file.resolve().parent.parent / "notebooks"
+        notebooks_dir = guess if guess.is_dir() else Path("notebooks")
+    notebooks_dir = Path(notebooks_dir).resolve()
+    plan = plan_run(params_file, notebooks_dir, only=only, overrides=overrides)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("papermill").setLevel(logging.INFO)
+    return execute(plan, notebooks_dir, run_dir=run_dir, cwd=notebooks_dir.parent)

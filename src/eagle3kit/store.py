@@ -1,0 +1,157 @@
+"""A data set of captured hidden states on disk, what training reads, and how it is checked.
+
+<out_dir>/
+  extraction.json     the settings the data set was made with (a resume with other settings is refused)
+  manifest.jsonl      one line per finished sample, appended after its file is on disk:
+                      key, index, conv_id, split, n_tokens, file, bytes, sha256, token_sha256, loss_spans
+  samples/            <key>.rank<r>.safetensors + <key>.rank<r>.json (markers), written by the capture
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3kit.capture.format import read_sample
+from eagle3kit.data.render import spans_to_mask
+
+MANIFEST = "manifest.jsonl"
+SETTINGS = "extraction.json"
+
+
+class StoreError(ValueError):
+    pass
+
+
+def token_sha256(token_ids) -> str:
+    t = torch.as_tensor(token_ids, dtype=torch.int64).contiguous()
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(out_dir: Path) -> dict[str, dict]:
+    """key -> last manifest line for it; a torn last line (crash while appending) is ignored."""
+    path = Path(out_dir) / MANIFEST
+    entries: dict[str, dict] = {}
+    if not path.exists():
+        return entries
+    with open(path) as f:
+        for line in f:
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            entries[e["key"]] = e
+    return entries
+
+
+class ManifestWriter:
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / MANIFEST
+        self._f = open(self.path, "a")
+
+    def append(self, entry: dict) -> None:
+        self._f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self):
+        self._f.close()
+
+
+def check_settings(out_dir: Path, settings: dict) -> None:
+    """Write extraction.json on the first run; on a resume, refuse other settings (they would mix data sets)."""
+    path = Path(out_dir) / SETTINGS
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        if diff:
+            raise StoreError(f"{out_dir} was made with other settings {diff} (old, new). Fix: resume with the same "
+                             f"settings, or choose a new output directory; nothing in {out_dir} was changed")
+        return
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=1, sort_keys=True))
+
+
+def load_entry(out_dir: Path, entry: dict) -> dict:
+    """One sample as training reads it: hidden_states (bf16 whatever the storage), token_ids, loss_mask."""
+    tensors, _ = read_sample(Path(out_dir) / "samples" / entry["file"])
+    tensors["loss_mask"] = torch.tensor(spans_to_mask(entry["loss_spans"], entry["n_tokens"]), dtype=torch.int64)
+    return tensors
+
+
+class HiddenStatesDataset(torch.utils.data.Dataset):
+    """The finished samples of one split, in index order (bf16 and fp8 storage alike)."""
+
+    def __init__(self, out_dir, split: str | None = "train"):
+        self.out_dir = Path(out_dir)
+        entries = [e for e in read_manifest(self.out_dir).values() if split is None or e.get("split") == split]
+        self.entries = sorted(entries, key=lambda e: e["index"])
+
+    def __len__(self):
+        return len(self.entries)
+
+    def __getitem__(self, i):
+        return load_entry(self.out_dir, self.entries[i])
+
+
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    ok: int = 0
+    problems: list = field(default_factory=list)  # {"key", "problem"}
+
+    @property
+    def passed(self) -> bool:
+        return self.checked > 0 and not self.problems
+
+
+def verify(out_dir, expected_states: int | None = None, hidden_size: int | None = None) -> VerifyReport:
+    """Every manifest entry: file present, checksum, token ids, length, layer count, hidden size, finite values."""
+    out_dir = Path(out_dir)
+    settings = json.loads((out_dir / SETTINGS).read_text()) if (out_dir / SETTINGS).exists() else {}
+    expected_states = expected_states or (len(settings["layer_ids"]) if "layer_ids" in settings else None)
+    hidden_size = hidden_size or settings.get("hidden_size")
+    rep = VerifyReport()
+    for key, e in sorted(read_manifest(out_dir).items(), key=lambda kv: kv[1]["index"]):
+        rep.checked += 1
+        path = out_dir / "samples" / e["file"]
+
+        def bad(problem):
+            rep.problems.append({"key": key, "problem": problem})
+        if not path.exists():
+            bad(f"file {path.name} is missing")
+            continue
+        if file_sha256(path) != e["sha256"]:
+            bad(f"checksum differs from the manifest ({path.name} changed or is corrupt)")
+            continue
+        try:
+            t, _ = read_sample(path)
+        except Exception as ex:  # noqa: BLE001
+            bad(f"unreadable: {type(ex).__name__}: {ex}")
+            continue
+        hs, ids = t["hidden_states"], t["token_ids"]
+        if hs.shape[0] != e["n_tokens"] or ids.shape[0] != e["n_tokens"]:
+            bad(f"{hs.shape[0]} hidden-state rows / {ids.shape[0]} token ids, manifest says {e['n_tokens']}")
+        elif token_sha256(ids) != e["token_sha256"]:
+            bad("token ids differ from the ones sent")
+        elif expected_states and hs.shape[1] != expected_states:
+            bad(f"{hs.shape[1]} layers, expected {expected_states}")
+        elif hidden_size and hs.shape[2] != hidden_size:
+            bad(f"hidden size {hs.shape[2]}, expected {hidden_size}")
+        elif not torch.isfinite(hs).all():
+            bad("non-finite values")
+        else:
+            rep.ok += 1
+    return rep
