@@ -94,22 +94,26 @@ class SGLangBackend:
     def __init__(self, urls, concurrency: int = 64, timeout: float = 600, start_server=None):
         self.urls, self.concurrency, self.timeout = list(urls), concurrency, timeout
         self.start_server = start_server
+        self.server = None
+
+    def prepare(self) -> None:
+        """Start the server (not timed as extraction) when no URLs were given."""
+        if not self.urls:
+            if self.start_server is None:
+                raise ValueError("engine sglang needs urls of capture servers, or a server to start")
+            self.server = self.start_server()
+            self.urls = [self.server.url]
 
     def run(self, samples_dir: Path, todo: list[Sample], on_done) -> None:
         from eagle3kit.capture.client import CaptureClient
 
-        server = None
-        if not self.urls:
-            if self.start_server is None:
-                raise ValueError("engine sglang needs urls of capture servers, or a server to start")
-            server = self.start_server()
-            self.urls = [server.url]
-        try:
-            client = CaptureClient(self.urls, samples_dir, timeout=self.timeout)
-            client.capture_many(((s.key, s.input_ids) for s in todo), concurrency=self.concurrency, on_done=on_done)
-        finally:
-            if server is not None:
-                server.stop()
+        client = CaptureClient(self.urls, samples_dir, timeout=self.timeout)
+        client.capture_many(((s.key, s.input_ids) for s in todo), concurrency=self.concurrency, on_done=on_done)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
 
 
 def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: bool = True) -> dict:
@@ -132,6 +136,12 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
                     settings.get("final_normed", False))
     totals = {"written": 0, "failed": 0, "tokens": 0, "bytes": 0}
     failures = []
+    if not todo:
+        return {"samples": len(samples), "already_done": len(samples), **totals, "seconds": 0.0,
+                "tokens_per_s": 0.0, "startup_seconds": 0.0, "estimated_bytes": 0, "failures": []}
+    t_start = time.time()
+    if hasattr(backend, "prepare"):
+        backend.prepare()
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -162,15 +172,16 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
             bar.update(1)
 
     try:
-        if todo:
-            backend.run(samples_dir, todo, on_done)
+        backend.run(samples_dir, todo, on_done)
+        seconds = time.time() - t0
     finally:
         manifest.close()
         if bar is not None:
             bar.close()
-    seconds = time.time() - t0
+        if hasattr(backend, "close"):
+            backend.close()
     return {"samples": len(samples), "already_done": len(samples) - len(todo), **totals, "seconds": seconds,
-            "tokens_per_s": totals["tokens"] / seconds if seconds > 0 else 0.0,
+            "tokens_per_s": totals["tokens"] / seconds if seconds > 0 else 0.0, "startup_seconds": t0 - t_start,
             "estimated_bytes": est["estimated_bytes"], "failures": failures}
 
 

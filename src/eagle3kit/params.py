@@ -94,8 +94,8 @@ def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None
         if not any(k in declared[s] for s in steps):
             known = {p for s in steps for p in declared[s]}
             raise ParamsError(f"{source}: common.{k}: no notebook of this run declares {k!r}.{_suggest(k, known)}")
-    per_step = {}
-    for s in steps:
+    checked = {}
+    for s in set(steps) | set(sections):  # sections of steps not run now are checked too
         params = {k: v for k, v in common.items() if k in declared[s]}
         for k, v in (sections.get(s) or {}).items():
             if k not in declared[s]:
@@ -108,6 +108,7 @@ def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None
             if not _type_ok(v, want):
                 raise ParamsError(f"{source}: {s}.{k} = {v!r} is a {type(v).__name__}, but notebook {s} declares"
                                   f" {k} as {want} (default {declared[s][k].get('default')})")
-        per_step[s] = params
+        checked[s] = params
+    per_step = {s: checked[s] for s in steps}
     return Plan(experiment=str(data.get("experiment") or "default"), steps=steps,
                 output_root=Path(data.get("output_root") or "outputs"), per_step=per_step)

@@ -1,0 +1,90 @@
+"""Exporters from an eagle3kit data set (see ``store``) to the layouts trainers read unmodified.
+
+speculators 0.9.0 (``--data-path DEST``; read through its ArrowDataset / hs_connectors):
+  DEST/data-*.arrow, dataset_info.json, state.json   columns input_ids, loss_mask, seq_len; torch format
+  DEST/hidden_states/hs_{row}.safetensors            hidden_states [T, n_aux+1, H] bf16 (final slot pre-norm),
+                                                      token_ids [T] int64 (row = dataset row)
+  DEST/token_freq.pt                                  {token id: count} over loss-masked positions
+  bf16 samples are hard-linked (no copy); fp8 samples are decoded to bf16.
+SpecForge (offline EAGLE-3 data):
+  DEST/rows_0-2000/data_{i}.ckpt   torch.save dict: input_ids [T], loss_mask [T], aux_hidden_state [1, T, n_aux*H],
+                                    hidden_state [1, T, H] AFTER the final norm (needs a capture with final_normed)
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3kit.store import StoreError, load_entry, read_manifest
+
+
+def _entries(out_dir, split):
+    entries = sorted((e for e in read_manifest(out_dir).values() if split in (None, "all") or e["split"] == split),
+                     key=lambda e: e["index"])
+    if not entries:
+        raise StoreError(f"{out_dir}: no samples of split {split!r} in the manifest (run the extraction first)")
+    return entries
+
+
+def _fresh(dest: Path) -> Path:
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise StoreError(f"{dest} is not empty: export into a new folder (nothing was changed)")
+    dest.mkdir(parents=True, exist_ok=True)
+    return dest
+
+
+def to_speculators(out_dir, dest, split: str = "train") -> dict:
+    from datasets import Dataset
+
+    out_dir, dest = Path(out_dir), _fresh(dest)
+    hs_dir = dest / "hidden_states"
+    hs_dir.mkdir()
+    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    freq: Counter = Counter()
+    linked = 0
+    for row, e in enumerate(_entries(out_dir, split)):
+        sample = load_entry(out_dir, e)
+        src = out_dir / "samples" / e["file"]
+        target = hs_dir / f"hs_{row}.safetensors"
+        if e.get("storage") == "bf16":
+            try:
+                os.link(src, target)
+                linked += 1
+            except OSError:
+                save_file({"hidden_states": sample["hidden_states"], "token_ids": sample["token_ids"]}, str(target))
+        else:
+            save_file({"hidden_states": sample["hidden_states"].contiguous(),
+                       "token_ids": sample["token_ids"].contiguous()}, str(target))
+        ids, mask = sample["token_ids"].tolist(), sample["loss_mask"].tolist()
+        rows["input_ids"].append(ids)
+        rows["loss_mask"].append(mask)
+        rows["seq_len"].append(len(ids))
+        freq.update(t for t, m in zip(ids, mask) if m)
+    ds = Dataset.from_dict(rows)
+    ds.set_format("torch")
+    ds.save_to_disk(str(dest))
+    torch.save(dict(freq), dest / "token_freq.pt")
+    return {"format": "speculators", "rows": len(rows["seq_len"]), "hard_linked": linked, "dest": str(dest)}
+
+
+def to_specforge(out_dir, dest, split: str = "train") -> dict:
+    out_dir, dest = Path(out_dir), _fresh(dest)
+    n = 0
+    for i, e in enumerate(_entries(out_dir, split)):
+        s = load_entry(out_dir, e)
+        if "final_normed" not in s:
+            raise StoreError(f"{e['file']} has no final_normed state: SpecForge trains on the state after the final "
+                             f"norm. Fix: extract with --final-normed (final_normed=True)")
+        hs = s["hidden_states"]
+        group = dest / f"rows_{i // 2000 * 2000}-{i // 2000 * 2000 + 2000}"
+        group.mkdir(exist_ok=True)
+        torch.save({"input_ids": s["token_ids"], "loss_mask": s["loss_mask"],
+                    "aux_hidden_state": hs[:, :-1].reshape(1, hs.shape[0], -1).contiguous(),
+                    "hidden_state": s["final_normed"].unsqueeze(0).contiguous()}, group / f"data_{i}.ckpt")
+        n += 1
+    return {"format": "specforge", "rows": n, "dest": str(dest)}

@@ -1,0 +1,188 @@
+"""Pure capture logic on real captures: rid handling, splitting packed prefills, chunk reassembly, the hook's
+session (driven with the ForwardBatch fields SGLang hands it), the file format."""
+import json
+from enum import Enum
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3kit.capture.assemble import Piece, Reassembler, gather_index, select_rows
+from eagle3kit.capture.format import decode, encode, read_marker, read_sample, write_sample
+from eagle3kit.capture.hook import CaptureSession, capture_config, forward_hooks, slot_layers
+from eagle3kit.capture.rid import RidError, make_rid, parse_rid
+
+
+class Mode(Enum):  # stands in for sglang's ForwardMode inside these unit tests
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+
+
+def test_rid_round_trip_and_foreign_rids():
+    rid = make_rid("s0000042", 317)
+    assert rid == "e3k-s0000042.317" and parse_rid(rid) == ("s0000042", 317)
+    assert parse_rid("HEALTH_CHECK_abc") is None and parse_rid("c6852e0be16a47e0800732af3852e062") is None
+    for bad in ("e3k-nolength", "e3k-.5", "e3k-k.0"):
+        with pytest.raises(RidError):
+            parse_rid(bad)
+    with pytest.raises(RidError, match="letters, digits"):
+        make_rid("bad/key", 3)
+
+
+def real_spike_rows(spike_dumps):
+    """Real SGLang captures (tiny Llama, hidden 256): per request the layer-2 residual stream."""
+    out = {}
+    for name in ("s0", "s1", "s2"):
+        d = load_file(str(spike_dumps / f"{name}.rank0.pf0.safetensors"))
+        out[name] = d["layer_2"]
+    return out
+
+
+def test_select_rows_splits_a_packed_prefill_with_warmup_and_health_check(spike_dumps):
+    rows = real_spike_rows(spike_dumps)
+    warm = load_file(str(spike_dumps / "c6852e0be16a47e0800732af3852e062.rank0.pf0.safetensors"))["layer_2"]
+    health = load_file(str(spike_dumps / "HEALTH_CHECK_a657848efef24761a6ae3c26a915eefd.rank0.pf0.safetensors"))["layer_2"]
+    order = [("warm", warm), ("s0", rows["s0"]), ("health", health), ("s1", rows["s1"]), ("s2", rows["s2"])]
+    packed = torch.cat([t for _, t in order])
+    rids = ["c6852e0be16a47e0800732af3852e062", make_rid("s0", len(rows["s0"])), "HEALTH_CHECK_a6578",
+            make_rid("s1", len(rows["s1"])), make_rid("s2", len(rows["s2"]))]
+    sel = select_rows(rids, [len(t) for _, t in order], [0] * 5)
+    assert [s.key for s in sel.spans] == ["s0", "s1", "s2"]
+    assert sel.ignored == {"other": 1, "health_check": 1}
+    idx = gather_index(sel, len(packed))
+    picked = packed.index_select(0, idx)
+    start = 0
+    for s in sel.spans:
+        n = s.stop - s.start
+        assert torch.equal(picked[start:start + n], rows[s.key])
+        start += n
+    only_ours = select_rows(rids[1:2], [len(rows["s0"])], [0])
+    assert gather_index(only_ours, len(rows["s0"])) is None  # whole batch is ours: no gather on the hot path
+
+
+def piece(key, n, offset, rows, start=None):
+    from eagle3kit.capture.assemble import RowSpan
+
+    span = RowSpan(make_rid(key, n), key, n, offset, 0, len(rows))
+    return Piece(span, {"hidden_states": rows, "token_ids": torch.arange(offset, offset + len(rows))})
+
+
+def test_reassembler_joins_chunks_and_rejects_prefix_hits_gaps_and_overruns(spike_dumps):
+    x = real_spike_rows(spike_dumps)["s0"]
+    n = len(x)
+    r = Reassembler()
+    assert n > 16
+    assert r.add(piece("a", n, 0, x[:8])) == []
+    assert r.add(piece("a", n, 8, x[8:16])) == []
+    (done,) = r.add(piece("a", n, 16, x[16:]))
+    assert done.status == "ok" and done.chunks == 3 and torch.equal(done.tensors["hidden_states"], x)
+    assert done.tensors["token_ids"].tolist() == list(range(n))
+    (hit,) = r.add(piece("b", n, 7, x[7:]))
+    assert hit.status == "incomplete" and "prefix-cache hit" in hit.reason
+    r.add(piece("c", n, 0, x[:10]))
+    (gap,) = r.add(piece("c", n, 12, x[12:]))
+    assert gap.status == "incomplete" and "does not continue" in gap.reason
+    (over,) = r.add(piece("d", 5, 0, x[:9]))
+    assert over.status == "incomplete" and "announced 5" in over.reason
+    small = Reassembler(max_pending=1)
+    small.add(piece("e", n, 0, x[:3]))
+    (evicted,) = small.add(piece("f", n, 0, x[:3]))
+    assert evicted.key == "e" and "evicted" in evicted.reason
+
+
+def fake_batch(mode, rids, lens, prefix, input_ids):
+    return SimpleNamespace(forward_mode=mode, rids=rids, extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=prefix,
+                           input_ids=input_ids)
+
+
+def run_forward(session, fb, states, token_ids, normed):
+    """Feed a session the way SGLang's hooks do: layer j returns (hidden, residual) whose sum is states[j + 1]."""
+    for j in sorted(session.layer_slots):
+        total = states[j + 1]
+        residual = torch.full_like(total, 0.25)
+        session.on_layer(j, (None, total - residual, fb, residual), (total - residual, residual))
+    session.on_end((token_ids, normed, None, fb))
+
+
+def test_session_captures_batched_and_chunked_requests_like_the_reference(tmp_path, reference, tokenizer):
+    """Real reference states packed as SGLang packs them; the written files must equal the reference."""
+    L = reference.info.num_layers
+    prompts = {"a": tokenizer("The target verifies drafted tokens in one pass.").input_ids,
+               "b": tokenizer("Chunked prefill splits a long prompt into several forwards, each with a prefix.").input_ids}
+    per = {}
+    for k, ids in prompts.items():
+        with torch.no_grad():
+            out = reference.model(torch.tensor([ids]), output_hidden_states=True)
+        per[k] = [h[0] for h in out.hidden_states[:L]] + [reference._pre_norm[0]]
+    cfg = capture_config(tmp_path, [2, 15, 27], L)
+    session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
+    warm = torch.randn(4, reference.info.hidden_size)
+    cut = 5  # request b arrives in two chunks: 5 tokens now, the rest in the next forward
+    rids = ["warmup-uuid", make_rid("a", len(prompts["a"])), make_rid("b", len(prompts["b"]))]
+    states = [torch.cat([warm, per["a"][k], per["b"][k][:cut]]) for k in range(L + 1)]
+    ids = torch.tensor([0] * 4 + prompts["a"] + prompts["b"][:cut])
+    fb = fake_batch(Mode.EXTEND, rids, [4, len(prompts["a"]), cut], [0, 0, 0], ids)
+    run_forward(session, fb, states, ids, states[L])
+    decode = fake_batch(Mode.DECODE, rids[1:], None, None, torch.tensor([1, 2]))
+    run_forward(session, decode, [torch.randn(2, 576)] * (L + 1), torch.tensor([1, 2]), torch.randn(2, 576))
+    rest = len(prompts["b"]) - cut
+    states2 = [per["b"][k][cut:] for k in range(L + 1)]
+    ids2 = torch.tensor(prompts["b"][cut:])
+    run_forward(session, fake_batch(Mode.EXTEND, rids[2:], [rest], [cut], ids2), states2, ids2, states2[L])
+    status = session.writer.flush()
+    assert status["counts"]["written"] == 2 and status["counts"]["chunked"] == 1
+    assert status["counts"]["forwards_decode"] == 1 and status["ignored_rows_by_kind"] == {"other": 1}
+    for k, ids in prompts.items():
+        t, meta = read_sample(tmp_path / f"{k}.rank0.safetensors")
+        assert t["token_ids"].tolist() == ids and meta["layer_ids"] == slot_layers(cfg) == [2, 15, 27, L]
+        for j, layer in enumerate(meta["layer_ids"]):
+            ref = per[k][layer].to(torch.bfloat16)
+            assert torch.allclose(t["hidden_states"][:, j].float(), ref.float(), rtol=1e-2, atol=1e-2), (k, layer)
+    assert read_marker(tmp_path, "b")["chunks"] == 2
+    assert json.loads((tmp_path / "_status.rank0.json").read_text())["counts"]["written"] == 2
+
+
+def test_hook_errors_are_counted_not_raised(tmp_path):
+    from eagle3kit.capture import hook
+
+    cfg = capture_config(tmp_path, [2], 4)
+    session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
+    fb = fake_batch(Mode.EXTEND, [make_rid("x", 3)], [3], [0], torch.arange(3))
+    hook._guarded(session, "layer 1", session.on_layer, 1, (None, "not a tensor", fb, None), ("oops", None))
+    hook._guarded(session, "end", session.on_end, (torch.arange(3), torch.zeros(3, 8), None, fb))  # layers missing
+    st = session.writer.flush()
+    assert st["counts"]["errors"] == 2 and "did not fire" in st["last_error"]
+    bad = fake_batch(Mode.EXTEND, ["e3k-malformed"], [3], [0], torch.arange(3))
+    hook._guarded(session, "layer 1", session.on_layer, 1, (None, torch.zeros(3, 8), bad, None),
+                  (torch.zeros(3, 8), None))
+    assert session.writer.counts["bad_rids"] == 1
+
+
+def test_forward_hooks_json_targets_exact_decoder_layers(tmp_path):
+    cfg = capture_config(tmp_path, [2, 15, 27], 30, final_normed=True)
+    specs = forward_hooks(cfg)
+    assert [s["target_modules"] for s in specs] == [["model.layers.1"], ["model.layers.14"], ["model.layers.26"],
+                                                    ["model.layers.29"], ["logits_processor"]]
+    assert all(s["hook_factory"].startswith("eagle3kit.capture.hook:") for s in specs)
+    with pytest.raises(ValueError, match="out of range"):
+        capture_config(tmp_path, [0, 30], 30)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8", "fp32"])
+def test_format_round_trip_each_storage(tmp_path, spike_dumps, storage):
+    d = load_file(str(spike_dumps / "s0.rank0.pf0.safetensors"))
+    hs = torch.stack([d["layer_0"], d["layer_2"], d["layer_4"], d["final"]], dim=1)
+    tensors = {"hidden_states": hs, "token_ids": torch.arange(hs.shape[0])}
+    marker = write_sample(tmp_path, "k", 0, tensors, {"engine": "test", "layer_ids": [1, 3, 5, 6]}, storage)
+    back, meta = read_sample(tmp_path / marker["file"])
+    assert back["hidden_states"].dtype == (torch.float32 if storage == "fp32" else torch.bfloat16)
+    err = ((back["hidden_states"].float() - hs.float()).norm() / hs.float().norm()).item()
+    assert err < {"bf16": 1e-6, "fp32": 1e-6, "fp8": 0.05}[storage]
+    assert meta["layer_ids"] == [1, 3, 5, 6] and meta["storage"] == storage
+    assert not list(tmp_path.glob(".*tmp"))  # atomic writes leave no temporary files
+    if storage == "fp8":
+        assert set(encode(tensors, "fp8")) == {"hidden_states_fp8", "hidden_states_scale", "token_ids"}
+    with pytest.raises(ValueError, match="not an eagle3kit capture"):
+        decode({"x": torch.zeros(1)})

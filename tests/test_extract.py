@@ -1,0 +1,148 @@
+"""Extraction on the reference engine: files, manifest, resume after a real kill, verify, preflight, exporters."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from eagle3kit.extract import PreflightError, ReferenceBackend, extract, load_samples, preflight, settings_for
+from eagle3kit.store import HiddenStatesDataset, StoreError, read_manifest, verify
+from eagle3kit.target import TargetInfo
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer):
+    s, _ = load_samples("embedded:sharegpt", tokenizer, max_samples=6, max_tokens=96)
+    return s
+
+
+def settings(target_path, storage="bf16", final_normed=True):
+    info = TargetInfo.read(target_path)
+    return settings_for(target_path, info, [2, 15, 27, 30], storage, "embedded:sharegpt", 96, final_normed)
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory, samples, reference, target_path):
+    out = tmp_path_factory.mktemp("ex") / "data"
+    summary = extract(samples, out, ReferenceBackend(reference), settings(target_path), progress=False)
+    return out, summary
+
+
+def test_extract_writes_verified_training_samples(extracted, samples, reference):
+    out, summary = extracted
+    assert summary["written"] == len(samples) and summary["failed"] == 0
+    rep = verify(out)
+    assert rep.passed and rep.ok == len(samples)
+    ds = HiddenStatesDataset(out, split=None)
+    item = ds[0]
+    s = samples[0]
+    assert item["token_ids"].tolist() == s.input_ids and item["loss_mask"].tolist() == s.loss_mask
+    assert item["hidden_states"].shape == (len(s.input_ids), 4, 576)
+    ref = reference.hidden(s.input_ids)["hidden_states"]
+    assert torch.allclose(item["hidden_states"].float(), ref.to(torch.bfloat16).float())
+
+
+def test_rerun_skips_done_and_other_settings_are_refused(extracted, samples, reference, target_path):
+    out, _ = extracted
+    again = extract(samples, out, ReferenceBackend(reference), settings(target_path), progress=False)
+    assert again["written"] == 0 and again["already_done"] == len(samples)
+    before = sorted(p.name for p in (out / "samples").iterdir())
+    with pytest.raises(StoreError, match="other settings"):
+        extract(samples, out, ReferenceBackend(reference), settings(target_path, storage="fp8"), progress=False)
+    assert sorted(p.name for p in (out / "samples").iterdir()) == before
+
+
+def test_verify_catches_corruption_and_missing_files(tmp_path, extracted):
+    import shutil
+
+    src, _ = extracted
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)
+    entries = sorted(read_manifest(out).values(), key=lambda e: e["index"])
+    f0 = out / "samples" / entries[0]["file"]
+    blob = bytearray(f0.read_bytes())
+    blob[-10] ^= 0xFF
+    f0.write_bytes(bytes(blob))
+    (out / "samples" / entries[1]["file"]).unlink()
+    rep = verify(out)
+    problems = {p["key"]: p["problem"] for p in rep.problems}
+    assert not rep.passed and "checksum" in problems[entries[0]["key"]] and "missing" in problems[entries[1]["key"]]
+    assert rep.ok == len(entries) - 2
+
+
+def test_preflight_refuses_what_does_not_fit(tmp_path, samples, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    est = preflight(samples, 4, 576, "bf16", tmp_path)
+    assert est["estimated_bytes"] == sum(len(s.input_ids) for s in samples) * (4 * 576 * 2 + 8)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(PreflightError, match="--storage fp8"):
+        preflight(samples, 4, 576, "bf16", tmp_path / "new" / "dir")
+    assert not (tmp_path / "new").exists()
+
+
+def test_fp8_storage_is_read_back_by_training(tmp_path, samples, reference, target_path, extracted):
+    out = tmp_path / "fp8"
+    s = extract(samples[:2], out, ReferenceBackend(reference, storage="fp8"), settings(target_path, "fp8"),
+                progress=False)
+    full = reference.hidden(samples[0].input_ids)["hidden_states"].float()
+    back = HiddenStatesDataset(out, split=None)[0]["hidden_states"].float()
+    assert ((back - full).norm() / full.norm()).item() < 0.05
+    bf16 = {e["key"]: e["bytes"] for e in read_manifest(extracted[0]).values()}
+    ratio = s["bytes"] / sum(bf16[x.key] for x in samples[:2])
+    assert 0.55 < ratio < 0.75, ratio  # fp8 hidden states + scales; the normed final state stays bf16
+    assert verify(out).passed
+
+
+def test_exporters_speculators_and_specforge(tmp_path, extracted, samples):
+    from datasets import load_from_disk
+
+    from eagle3kit.export import to_specforge, to_speculators
+
+    out, _ = extracted
+    r = to_speculators(out, tmp_path / "spec", split="all")
+    assert r["rows"] == len(samples) and r["hard_linked"] == len(samples)
+    ds = load_from_disk(str(tmp_path / "spec"))
+    assert set(ds.column_names) == {"input_ids", "loss_mask", "seq_len"} and ds.format["type"] == "torch"
+    from safetensors.torch import load_file
+
+    hs0 = load_file(str(tmp_path / "spec" / "hidden_states" / "hs_0.safetensors"))
+    assert torch.equal(hs0["token_ids"], ds[0]["input_ids"]) and hs0["hidden_states"].shape[1] == 4
+    assert (tmp_path / "spec" / "token_freq.pt").exists()
+    f = to_specforge(out, tmp_path / "sf", split="all")
+    d = torch.load(tmp_path / "sf" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
+    T = len(samples[0].input_ids)
+    assert d["aux_hidden_state"].shape == (1, T, 3 * 576) and d["hidden_state"].shape == (1, T, 576)
+    assert f["rows"] == len(samples)
+    with pytest.raises(StoreError, match="not empty"):
+        to_specforge(out, tmp_path / "sf", split="all")
+
+
+def test_resume_after_a_real_kill(tmp_path, target_path):
+    """SIGKILL an extraction mid-run; the rerun completes it with every sample exactly once and verified."""
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "eagle3kit.cli", "extract", "--target", str(target_path), "--out", str(out),
+           "--max-samples", "16", "--max-tokens", "128"]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(read_manifest(out)) < 3:
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    first = len(read_manifest(out))
+    assert 3 <= first < 12, f"kill came too late or too early ({first} samples done)"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout)
+    n = summary["samples"]  # 16 conversations, less those with no assistant token in 128 tokens
+    assert n > first and summary["already_done"] >= first and summary["already_done"] + summary["written"] == n
+    lines = (out / "manifest.jsonl").read_text().splitlines()
+    keys = [json.loads(x)["key"] for x in lines if x.strip()]
+    assert len(keys) == len(set(keys)) == n  # nothing lost, nothing duplicated
+    assert verify(out).passed

@@ -1,0 +1,43 @@
+"""Notebooks in git carry no outputs and declare their parameters; environment.yml matches pyproject.toml."""
+import json
+import re
+import tomllib
+
+import pytest
+
+from tests.conftest import ROOT
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_pipeline_notebooks():
+    assert [p.stem for p in NOTEBOOKS] == ["00_target", "01_tp_check", "02_capture_spec", "03_extract"]
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_clean_and_parameterized(nb):
+    data = json.loads(nb.read_text())
+    code = [c for c in data["cells"] if c["cell_type"] == "code"]
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in code), f"{nb.name} has outputs"
+    params = [c for c in code if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(params) == 1, f"{nb.name} needs exactly one cell tagged 'parameters'"
+    assert data["metadata"]["kernelspec"]["name"] == "eagle3kit"
+    assert data["cells"][0]["cell_type"] == "markdown"  # each notebook states what it checks
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=!\[; ]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_environment_yml_matches_pyproject():
+    import yaml
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_name(r) for r in project["dependencies"]} | {_name(r) for r in project["optional-dependencies"]["dev"]}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_list = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    conda = {_name(d) for d in env["dependencies"] if isinstance(d, str)}
+    have = {_name(r) for r in pip_list if not r.startswith("-")} | ({"torch"} if "pytorch-cpu" in conda else set())
+    assert wanted <= have, f"environment.yml lacks {sorted(wanted - have)}"
+    extra = have - wanted - {"jupyterlab"}
+    assert not extra, f"environment.yml has {sorted(extra)} that pyproject.toml does not"

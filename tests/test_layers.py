@@ -1,0 +1,68 @@
+"""The layer doctor: every row of the conventions table, the Kimi case, pre/post-norm, and its diagnoses."""
+import pytest
+
+from eagle3kit.layers import (NotExpressible, check, describe, from_input_of_layer, sglang_convention,
+                              sglang_default_aux, to_input_of_layer)
+
+
+@pytest.mark.parametrize("convention,ids,expected", [
+    ("input_of_layer", [2, 15, 27, 30], [2, 15, 27, 30]),
+    ("speculators", [2, 15, 27, 30], [2, 15, 27, 30]),  # speculators/vLLM: input of layer k, L = final pre-norm
+    ("vllm", [2, 15, 27], [2, 15, 27]),
+    ("eagle", [2, 15, 27], [2, 15, 27]),  # SafeAILab: input of layers 2, L//2, L-3
+    ("hf_hidden_states", [2, 15, 27], [2, 15, 27]),
+    ("sglang_llama", [1, 14, 26], [2, 15, 27]),  # SGLang Llama/Qwen always +1 (output of layer k)
+    ("specforge", [1, 14, 26], [2, 15, 27]),  # SpecForge: output-of-layer convention
+    ("sglang_deepseek", [1, 14, 26], [2, 15, 27]),  # DeepSeek: +1 only when ids[0] == 1
+    ("sglang_deepseek", [2, 15, 27], [2, 15, 27]),
+])
+def test_conventions_table(convention, ids, expected):
+    assert to_input_of_layer(ids, convention, 30) == expected
+
+
+def test_kimi_3_31_59_on_sglang_deepseek_means_outputs_of_2_30_58():
+    assert sglang_convention("kimi_k2") == "sglang_deepseek" == sglang_convention("deepseek_v3")
+    served = to_input_of_layer([3, 31, 59], "sglang_deepseek", 61)
+    assert served == [3, 31, 59]
+    assert [describe(k, 61) for k in served] == [f"the output of layer {k - 1} (input of layer {k})" for k in served]
+    assert [k - 1 for k in served] == [2, 30, 58]
+    # the same ids on a Llama-type target would be read +1: outputs of layers 3, 31, 59
+    assert to_input_of_layer([3, 31, 59], "sglang_llama", 61) == [4, 32, 60]
+
+
+def test_sglang_default_and_limits():
+    assert sglang_default_aux(30) == [2, 15, 27] and sglang_default_aux(61) == [2, 30, 58]
+    assert from_input_of_layer([2, 15, 27], "sglang_llama", 30) == [1, 14, 26]
+    with pytest.raises(NotExpressible):
+        from_input_of_layer([30], "sglang_llama", 30)  # SGLang Llama captures outputs of layers 0..L-2 only
+    with pytest.raises(NotExpressible):
+        from_input_of_layer([1, 15, 27], "sglang_deepseek", 30)  # ids starting with 1 get +1
+    for conv in ("sglang_llama", "sglang_deepseek", "speculators"):
+        for ids in ([2, 15, 27], [3, 16, 28]):
+            assert to_input_of_layer(from_input_of_layer(ids, conv, 30), conv, 30) == ids
+    with pytest.raises(ValueError, match="unknown layer-id convention"):
+        to_input_of_layer([1], "vllm2", 30)
+
+
+def test_check_finds_offset_and_gives_the_fix():
+    capture = [2, 15, 27, 30]
+    ok = check(capture, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}, "llama", 30)
+    assert ok.ok
+    bad = check(capture, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}, "llama", 30)
+    assert not bad.ok and "offset [1]" in str(bad) and "[1, 14, 26]" in str(bad)
+    default = check(capture, {}, "llama", 30)  # no ids: SGLang's default [2, L//2, L-3] as input of layer
+    assert default.ok and "default" in str(default)
+    kimi = check([3, 31, 59, 61], {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 31, 59]}}, "kimi_k2", 61)
+    assert kimi.ok
+    kimi_wrong = check([2, 30, 58, 61], {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 31, 59]}},
+                       "kimi_k2", 61)
+    assert not kimi_wrong.ok and "[2, 30, 58]" in str(kimi_wrong)
+
+
+def test_check_pre_vs_post_norm_and_norm_before_residual():
+    post = check([2, 15, 27, 30], {}, "llama", 30, final_is_pre_norm=False)
+    assert not post.ok and "after the norm" in str(post)
+    missing_final = check([2, 15, 27], {}, "llama", 30)
+    assert not missing_final.ok
+    warn = check([2, 15, 27, 30], {"norm_before_residual": True}, "llama", 30)
+    assert warn.ok and any(f.level == "warning" for f in warn.findings)

@@ -1,0 +1,29 @@
+"""The notebooks are the spec: run the demo pipeline with small parameters through papermill and check what the
+notebooks recorded (the GPU run of the same notebooks, with big parameters, is under outputs/records/)."""
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_demo_pipeline_small(tmp_path):
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "run", str(ROOT / "params" / "demo.yaml"),
+                        "--run-dir", str(run_dir), "--set", "00_target.max_new_tokens=8",
+                        "--set", "01_tp_check.num_prompts=2", "--set", "02_capture_spec.num_concurrent=16",
+                        "--set", "02_capture_spec.max_len=160", "--set", "03_extract.max_samples=6",
+                        "--set", "03_extract.compact_samples=2", "--set", "03_extract.max_tokens=256"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=1500)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert m["target_layers"] == 30 and m["target_reply_tokens"] > 0
+    assert m["tp_ranks"] == 3 and m["tp_bitwise_equal_fraction"] == 1.0
+    assert m["capture_concurrent_requests"] == 16 and m["capture_mismatches"] == 0
+    assert m["capture_max_rel_err"] < 0.01  # batched vs single forward, fp32 reference stored in bf16
+    assert m["extract_failed"] == 0 and m["extract_samples"] == m["extract_verified"] > 0
+    assert 0.5 < m["bytes_ratio_best"] < 0.6 and m["fp8_read_back_rel_err"] < 0.05
+    status = json.loads((run_dir / "status.json").read_text())
+    assert all(s["state"] == "ok" for s in status.values())
+    for step in status:
+        assert (run_dir / step / f"{step}.ipynb").exists()

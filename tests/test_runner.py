@@ -1,0 +1,92 @@
+"""The papermill runner: real execution of small notebooks, parameter validation, failing cells, metrics."""
+import json
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from eagle3kit.params import ParamsError
+from eagle3kit.runner import plan_run, run
+
+
+def notebook(path, params_src, body_src):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "eagle3kit", "display_name": "eagle3kit", "language": "python"}
+    p = nbformat.v4.new_code_cell(params_src)
+    p.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# test"), p, nbformat.v4.new_code_cell(body_src)]
+    nbformat.write(nb, path)
+
+
+@pytest.fixture
+def project(tmp_path):
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    notebook(nbs / "a_square.ipynb", "n = 3\nlabel = 'x'", "import eagle3kit\nassert n > 0\n"
+             "eagle3kit.record(square=n * n, label=label)\nprint('squared', n)")
+    notebook(nbs / "b_fail.ipynb", "limit = 1.5", "x = 1\nraise ValueError(f'boom at limit {limit}')")
+    (tmp_path / "params").mkdir()
+    return tmp_path
+
+
+def write_params(project, text):
+    p = project / "params" / "p.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_papermill_executes_and_records_metrics(project):
+    p = write_params(project, "experiment: e\nsteps: [a_square]\nnotebooks:\n  a_square: {n: 7}\n")
+    out = run(p, run_dir=project / "out")
+    assert json.loads((out / "a_square" / "metrics.json").read_text()) == {"square": 49, "label": "x"}
+    assert json.loads((out / "metrics.json").read_text())["square"] == 49
+    assert json.loads((out / "status.json").read_text())["a_square"]["state"] == "ok"
+    executed = nbformat.read(out / "a_square" / "a_square.ipynb", as_version=4)
+    assert any("squared 7" in o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs)
+    assert "n: 7" in (out / "params.yaml").read_text()
+
+
+@pytest.mark.parametrize("text,match", [
+    ("steps: [a_square]\nnotebooks:\n  a_square: {m: 7}\n", r"notebooks.a_square.m: notebook a_square declares no"),
+    ("steps: [a_square]\nnotebooks:\n  a_square: {n: 'seven'}\n", r"a_square.n = 'seven' is a str.*declares n as int"),
+    ("steps: [a_sqare]\n", r"step 'a_sqare' has no notebook.*Did you mean 'a_square'"),
+    ("steps: [a_square]\ncommon: {lable: y}\n", r"common.lable.*Did you mean 'label'"),
+    ("stepz: [a_square]\n", r"unknown top-level key 'stepz'"),
+    ("steps: [a_square]\nnotebooks:\n  b_fail: {limit: true}\n", r"b_fail.limit = True is a bool"),
+])
+def test_bad_params_fail_before_anything_runs(project, text, match):
+    p = write_params(project, text)
+    with pytest.raises(ParamsError, match=match):
+        plan_run(p, project / "notebooks")
+    assert not (project / "outputs").exists()
+
+
+def test_failing_cell_stops_the_run_with_its_location(project):
+    p = write_params(project, "experiment: f\nsteps: [a_square, b_fail]\n")
+    r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "run", str(p), "--run-dir", str(project / "o")],
+                       capture_output=True, text=True, cwd=project, timeout=300)
+    assert r.returncode == 1
+    assert "step b_fail failed in cell 2" in r.stderr and "ValueError: boom at limit 1.5" in r.stderr
+    status = json.loads((project / "o" / "status.json").read_text())
+    assert status["a_square"]["state"] == "ok" and status["b_fail"]["state"] == "failed"
+    kept = nbformat.read(project / "o" / "b_fail" / "b_fail.ipynb", as_version=4)
+    assert any("papermill-error-cell" in json.dumps(c.metadata) or "An Exception was encountered" in c.source
+               for c in kept.cells)
+
+
+def test_only_and_set(project):
+    p = write_params(project, "experiment: e\nsteps: [a_square, b_fail]\n")
+    out = run(p, only=["a_square"], overrides=["a_square.n=5"], run_dir=project / "o2")
+    assert json.loads((out / "metrics.json").read_text())["square"] == 25
+    assert not (out / "b_fail").exists()
+
+
+def test_record_rejects_non_flat_values(tmp_path, monkeypatch):
+    import eagle3kit
+
+    monkeypatch.setenv("EAGLE3KIT_STEP_DIR", str(tmp_path))
+    with pytest.raises(TypeError, match="flat metrics.json"):
+        eagle3kit.record(table=[1, 2])
+    with pytest.raises(ValueError, match="finite"):
+        eagle3kit.record(x=float("nan"))

@@ -1,0 +1,58 @@
+"""TP-replication check: real tensor parallelism on the CPU (torchrun + gloo, 3 ranks) and the comparison."""
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3kit import tp_check
+
+
+@pytest.fixture(scope="module")
+def tp_captures(tmp_path_factory, target_path, tokenizer):
+    out = tmp_path_factory.mktemp("tp")
+    prompts = {"p0": tokenizer("Tensor parallel ranks all-reduce the residual stream.").input_ids,
+               "p1": tokenizer("A drafter needs the same hidden states on every rank.").input_ids}
+    tp_check.run_cpu_tp(target_path, out, prompts, [2, 15, 27], n_ranks=3)
+    return out, prompts
+
+
+def test_three_cpu_ranks_hold_bitwise_equal_states(tp_captures):
+    out, prompts = tp_captures
+    assert all(tp_check.ranks_found(out, k) == [0, 1, 2] for k in prompts)
+    rows = tp_check.compare_ranks(out, list(prompts), [0, 1, 2])
+    assert [r["layer_id"] for r in rows] == [2, 15, 27, 30]
+    assert all(r["bitwise_equal_fraction"] == 1.0 and r["max_ulp"] == 0 for r in rows)
+    assert tp_check.verdict(rows, 3).startswith("replicated")
+
+
+def test_tp_ranks_match_the_single_process_reference(tp_captures, reference):
+    from eagle3kit.capture.format import read_sample
+
+    out, prompts = tp_captures
+    t, meta = read_sample(out / "p0.rank1.safetensors")
+    assert meta["tp_size"] == 3 and t["hidden_states"].dtype == torch.float32
+    ref = reference.hidden(prompts["p0"])["hidden_states"]
+    assert ((t["hidden_states"] - ref).norm() / ref.norm()).item() < 1e-4
+
+
+def test_a_rank_that_differs_is_measured(tp_captures, tmp_path):
+    out, prompts = tp_captures
+    work = tmp_path / "w"
+    shutil.copytree(out, work)
+    f = work / "p0.rank2.safetensors"
+    d = load_file(str(f))
+    d["hidden_states"][0, 1, 0] = torch.nextafter(d["hidden_states"][0, 1, 0], torch.tensor(float("inf")))
+    save_file(d, str(f))
+    rows = {r["layer_id"]: r for r in tp_check.compare_ranks(work, ["p0"], [0, 1, 2])}
+    assert rows[15]["max_ulp"] == 1 and rows[15]["bitwise_equal_fraction"] < 1.0 and rows[2]["max_ulp"] == 0
+    assert "NOT bitwise" in tp_check.verdict(list(rows.values()), 3)
+
+
+def test_ulp_distance_orders_negative_and_positive_floats():
+    x = torch.tensor([-1.0, -0.0, 0.0, 1.0], dtype=torch.bfloat16)
+    bits = tp_check.ordered_bits(x)
+    assert bits.tolist() == sorted(bits.tolist()) and bits[2] - bits[1] in (0, 1)
+    one_up = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    f = tp_check.ordered_bits(torch.tensor([1.0, one_up.item()]))
+    assert int(f[1] - f[0]) == 1
