@@ -186,3 +186,31 @@ def test_format_round_trip_each_storage(tmp_path, spike_dumps, storage):
         assert set(encode(tensors, "fp8")) == {"hidden_states_fp8", "hidden_states_scale", "token_ids"}
     with pytest.raises(ValueError, match="not an eagle3kit capture"):
         decode({"x": torch.zeros(1)})
+
+
+def test_writer_bounds_memory_until_files_are_written(tmp_path):
+    """submit() blocks while more than max_inflight_bytes wait to be written, and all jobs still land."""
+    import threading
+
+    from eagle3kit.capture.assemble import select_rows
+    from eagle3kit.capture.writer import CaptureWriter, Job
+
+    w = CaptureWriter(tmp_path, 0, {"layer_ids": [1, 2]}, max_inflight_bytes=10_000, io_threads=1)
+    slow = threading.Event()
+    original = w._write
+    w._write = lambda *a: (slow.wait(5), original(*a))
+    jobs = []
+    for i in range(3):
+        sel = select_rows([make_rid(f"k{i}", 4)], [4], [0])
+        jobs.append(Job(sel, {"hidden_states": [torch.randn(4, 400), torch.randn(4, 400)],
+                              "token_ids": torch.arange(4)}, None, nbytes=6_400))
+    w.submit(jobs[0])
+    t = threading.Thread(target=w.submit, args=(jobs[1],))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and w.inflight == 6_400  # the second job waits: the first is not written yet
+    slow.set()
+    t.join(5)
+    w.submit(jobs[2])
+    st = w.flush()
+    assert st["counts"]["written"] == 3 and st["counts"]["backpressure_waits"] >= 1 and w.inflight == 0

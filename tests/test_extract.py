@@ -146,3 +146,33 @@ def test_resume_after_a_real_kill(tmp_path, target_path):
     keys = [json.loads(x)["key"] for x in lines if x.strip()]
     assert len(keys) == len(set(keys)) == n  # nothing lost, nothing duplicated
     assert verify(out).passed
+
+
+def test_regeneration_replaces_assistant_turns_with_the_targets_replies(tmp_path, reference, tokenizer):
+    from eagle3kit.data.regenerate import TransformersGenerator
+
+    gen = TransformersGenerator(reference.tokenizer, reference.model)
+    cache = tmp_path / "regen.jsonl"
+    samples, _ = load_samples("embedded:sharegpt", tokenizer, 2, 2048, regenerate_with=gen,
+                              regenerate_max_new_tokens=6, regenerated_cache=cache)
+    cached = [json.loads(x) for x in cache.read_text().splitlines()]
+    assert len(cached) == 2 and all(c["regenerated"] for c in cached)
+    replies = [m["content"] for m in cached[0]["messages"] if m["role"] == "assistant"]
+    assert replies and all(len(tokenizer(r).input_ids) <= 7 for r in replies)
+    masked = tokenizer.decode([t for t, m in zip(samples[0].input_ids, samples[0].loss_mask) if m])
+    assert replies[0] in masked
+    again, _ = load_samples("embedded:sharegpt", tokenizer, 2, 2048, regenerate_with=lambda *a: 1 / 0,
+                            regenerated_cache=cache)  # a resume reuses the cached replies, generating nothing
+    assert [s.input_ids for s in again] == [s.input_ids for s in samples]
+
+
+def test_shards_partition_the_data(tokenizer):
+    from eagle3kit.data.conversations import load_conversations
+    from eagle3kit.extract import prepare_samples
+
+    convs, _ = load_conversations("embedded:sharegpt", limit=9)
+    shards = [prepare_samples(convs, tokenizer, 64, world_size=3, rank=r) for r in range(3)]
+    keys = [s.key for shard in shards for s in shard]
+    assert len(keys) == len(set(keys)) == len(prepare_samples(convs, tokenizer, 64))
+    with pytest.raises(ValueError, match="rank 3"):
+        prepare_samples(convs, tokenizer, 64, world_size=3, rank=3)

@@ -192,10 +192,30 @@ def settings_for(target_path, info, layer_ids, storage, data, max_tokens, final_
 
 
 def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int, seed: int = 0,
-                 heldout_percent: float = 5.0, world_size: int = 1, rank: int = 0):
-    """Conversations -> rendered samples of this shard; also returns the loader's report (truncation etc.)."""
+                 heldout_percent: float = 5.0, world_size: int = 1, rank: int = 0, regenerate_with=None,
+                 regenerate_max_new_tokens: int = 512, regenerate_concurrency: int = 1, regenerated_cache=None):
+    """Conversations -> rendered samples of this shard; also returns the loader's report (truncation etc.).
+    ``regenerate_with``: a generator (see data.regenerate) that replaces the assistant turns first; the replies are
+    kept in ``regenerated_cache`` (JSONL) so that a resumed run renders exactly the same tokens."""
     if max_samples is not None and max_samples <= 0:
         raise ValueError(f"max_samples={max_samples}: give a positive number or None for all")
     limit = None if max_samples is None else max_samples * world_size
     convs, report = load_conversations(data, limit=limit)
+    if regenerate_with is not None:
+        import json
+
+        from eagle3kit.data.regenerate import regenerate
+
+        cache = Path(regenerated_cache) if regenerated_cache else None
+        done = {}
+        if cache is not None and cache.exists():
+            done = {c["id"]: c for c in map(json.loads, cache.read_text().splitlines()) if c}
+        mine = [c for i, c in enumerate(convs) if i % world_size == rank and c["id"] not in done]
+        for c in regenerate(mine, regenerate_with, regenerate_max_new_tokens, regenerate_concurrency):
+            done[c["id"]] = c
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                with open(cache, "a") as f:
+                    f.write(json.dumps(c) + "\n")
+        convs = [done.get(c["id"], c) if i % world_size == rank else c for i, c in enumerate(convs)]
     return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank), report

@@ -18,7 +18,7 @@ def default_aux(num_layers: int) -> list[int]:
 def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir="outputs/extract", engine="transformers",
                    urls=(), aux_layer_ids=None, max_samples=None, max_tokens=2048, storage="bf16", concurrency=64,
                    world_size=1, rank=0, final_normed=False, server_args=(), progress=True, seed=0,
-                   heldout_percent=5.0) -> dict:
+                   heldout_percent=5.0, regenerate=False, regenerate_max_new_tokens=256) -> dict:
     path = resolve_target(target)
     info = TargetInfo.read(path)
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
@@ -26,10 +26,12 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    samples, report = load_samples(data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank)
     settings = settings_for(path, info, layer_ids, storage, data, max_tokens, final_normed)
+    if regenerate:
+        settings["regenerated_max_new_tokens"] = regenerate_max_new_tokens
     if engine == "transformers":
-        backend = ReferenceBackend(ReferenceEngine(path, aux, final_normed=final_normed), storage)
+        reference = ReferenceEngine(path, aux, final_normed=final_normed)
+        backend = ReferenceBackend(reference, storage)
     elif engine == "sglang":
         def start_server():
             from eagle3kit.capture.server import capture_server
@@ -41,7 +43,24 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
         backend = SGLangBackend(urls, concurrency, start_server=start_server)
     else:
         raise ValueError(f"engine {engine!r}: choose 'transformers' (CPU reference) or 'sglang' (GPU server)")
-    summary = extract(samples, out_dir, backend, settings, progress=progress)
+    generator = None
+    if regenerate:
+        from eagle3kit.data.regenerate import SGLangGenerator, TransformersGenerator
+
+        if engine == "transformers":
+            generator = TransformersGenerator(reference.tokenizer, reference.model)
+        else:
+            backend.prepare()  # the capture server generates too; its hook ignores these requests
+            generator = SGLangGenerator(backend.urls[0], tok)
+    try:
+        samples, report = load_samples(data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank,
+                                       regenerate_with=generator, regenerate_max_new_tokens=regenerate_max_new_tokens,
+                                       regenerate_concurrency=1 if engine == "transformers" else concurrency,
+                                       regenerated_cache=Path(out_dir) / "regenerated.jsonl")
+        summary = extract(samples, out_dir, backend, settings, progress=progress)
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
     rep = verify(out_dir)
     summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
                    data_records=report.records, data_kept=report.kept,

@@ -76,18 +76,25 @@ class CaptureWriter:
             job = self._q.get()
             if job is None:
                 break
+            writes = [1]  # this loop's own hold on the job's bytes, released below
             try:
-                self._handle(job)
+                self._handle(job, writes)
             except Exception as e:  # noqa: BLE001 - the server must keep serving
                 self.error("writer", e)
             finally:
-                with self._cv:
-                    self.inflight -= job.nbytes
-                    self._cv.notify_all()
+                self._release(job, writes)
                 self._q.task_done()
             self._status()
 
-    def _handle(self, job: Job):
+    def _release(self, job: Job, writes: list) -> None:
+        """The job's bytes count as in flight until its last file is written (bounded memory, writes included)."""
+        with self._cv:
+            writes[0] -= 1
+            if writes[0] == 0:
+                self.inflight -= job.nbytes
+                self._cv.notify_all()
+
+    def _handle(self, job: Job, writes: list):
         if job.event is not None:
             job.event.synchronize()
         t = job.tensors
@@ -100,9 +107,9 @@ class CaptureWriter:
                 piece["final_normed"] = t["final_normed"][row:row + n]
             row += n
             for outcome in self.reassembler.add(Piece(span, piece)):
-                self._finish(outcome)
+                self._finish(outcome, job, writes)
 
-    def _finish(self, outcome):
+    def _finish(self, outcome, job, writes):
         if outcome.status != "ok":
             self.note("incomplete")
             self._submit_io(write_marker, self.out_dir, outcome.key, self.rank,
@@ -111,22 +118,25 @@ class CaptureWriter:
             return
         self.note("captured")
         self.note("chunked", int(outcome.chunks > 1))
-        # clone: the rows are views of a pinned batch buffer that must not stay alive for the whole write queue
-        tensors = {k: v.clone() for k, v in outcome.tensors.items()}
-        self._submit_io(self._write, outcome.key, outcome.rid, outcome.chunks, tensors)
+        with self._cv:
+            writes[0] += 1
+        self._submit_io(self._write, outcome.key, outcome.rid, outcome.chunks, outcome.tensors,
+                        on_done=lambda: self._release(job, writes))
 
     def _write(self, key, rid, chunks, tensors):
         write_sample(self.out_dir, key, self.rank, tensors, self.metadata, self.storage,
                      extra_marker={"rid": rid, "chunks": chunks})
         self.note("written")
 
-    def _submit_io(self, fn, *args):
+    def _submit_io(self, fn, *args, on_done=None):
         def run():
             try:
                 fn(*args)
             except Exception as e:  # noqa: BLE001
                 self.error("io", e)
             finally:
+                if on_done is not None:
+                    on_done()
                 with self._cv:
                     self._io_pending -= 1
                     idle = self._io_pending == 0 and self._q.unfinished_tasks == 0
