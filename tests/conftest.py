@@ -46,11 +46,9 @@ def tokenizer(reference):
 
 @pytest.fixture
 def spike_dumps():
-    """Five real SGLang captures from ../shared (tiny random Llama, hidden 256)."""
-    d = ROOT.parent / "shared" / "gpu" / "spike" / "dumps"
-    if not d.is_dir():
-        pytest.skip(f"{d} not present")
-    return d
+    """Five real SGLang captures (tiny random Llama, hidden 256; from ../shared/gpu/spike/dumps, 132 KB):
+    three client requests, SGLang's warmup request and a health check, as the server's hook saw them."""
+    return ROOT / "tests" / "data" / "spike_dumps"
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
