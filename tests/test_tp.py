@@ -40,10 +40,14 @@ def test_a_rank_that_differs_is_measured(tp_captures, tmp_path):
     out, prompts = tp_captures
     work = tmp_path / "w"
     shutil.copytree(out, work)
+    from safetensors import safe_open
+
     f = work / "p0.rank2.safetensors"
+    with safe_open(str(f), "pt") as h:
+        meta = h.metadata()
     d = load_file(str(f))
     d["hidden_states"][0, 1, 0] = torch.nextafter(d["hidden_states"][0, 1, 0], torch.tensor(float("inf")))
-    save_file(d, str(f))
+    save_file(d, str(f), metadata=meta)
     rows = {r["layer_id"]: r for r in tp_check.compare_ranks(work, ["p0"], [0, 1, 2])}
     assert rows[15]["max_ulp"] == 1 and rows[15]["bitwise_equal_fraction"] < 1.0 and rows[2]["max_ulp"] == 0
     assert "NOT bitwise" in tp_check.verdict(list(rows.values()), 3)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.capture.format import read_sample
 
 
 def ordered_bits(x: torch.Tensor) -> torch.Tensor:
@@ -35,10 +34,9 @@ def compare_ranks(capture_dir, keys, ranks) -> list[dict]:
     capture_dir = Path(capture_dir)
     rows = {}
     for key in keys:
-        base, meta = read_sample(capture_dir / f"{key}.rank{ranks[0]}.safetensors")
-        raw0 = _raw(capture_dir / f"{key}.rank{ranks[0]}.safetensors")
+        raw0, meta = _raw(capture_dir / f"{key}.rank{ranks[0]}.safetensors")
         for r in ranks[1:]:
-            raw = _raw(capture_dir / f"{key}.rank{r}.safetensors")
+            raw, _ = _raw(capture_dir / f"{key}.rank{r}.safetensors")
             if raw.shape != raw0.shape:
                 raise ValueError(f"{key}: rank {r} holds {tuple(raw.shape)}, rank {ranks[0]} {tuple(raw0.shape)} "
                                  f"(different tokens per rank: DP attention?)")
@@ -64,14 +62,14 @@ def compare_ranks(capture_dir, keys, ranks) -> list[dict]:
     return out
 
 
-def _raw(path: Path) -> torch.Tensor:
-    """The stored hidden states in their stored dtype (no decoding: bits are what is compared)."""
+def _raw(path: Path) -> tuple[torch.Tensor, dict]:
+    """The stored hidden states in their stored dtype (no decoding: bits are what is compared), and the layer ids."""
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         if "hidden_states" not in f.keys():
             raise ValueError(f"{path}: TP check needs bf16/fp32 storage, not {sorted(f.keys())}")
-        return f.get_tensor("hidden_states")
+        return f.get_tensor("hidden_states"), {"layer_ids": json.loads(f.metadata()["layer_ids"])}
 
 
 def verdict(rows: list[dict], n_ranks: int) -> str:

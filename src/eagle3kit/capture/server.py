@@ -7,7 +7,6 @@ Every other SGLang flag (TP, DP, multi-node, quantization, attention backend ...
 """
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -125,6 +124,3 @@ def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_nor
                          storage=storage, model=str(model_path))
     return SGLangServer(model_path, port=port, capture=cfg, extra_args=extra_args, log_path=log_path, **kw)
 
-
-def describe(server: SGLangServer) -> str:
-    return json.dumps({"url": server.url, "cmd": server.cmd[:6] + ["..."]})
