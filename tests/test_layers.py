@@ -66,3 +66,18 @@ def test_check_pre_vs_post_norm_and_norm_before_residual():
     assert not missing_final.ok
     warn = check([2, 15, 27, 30], {"norm_before_residual": True}, "llama", 30)
     assert warn.ok and any(f.level == "warning" for f in warn.findings)
+
+
+def test_doctor_command_reports_and_exits_nonzero_on_mismatch(tmp_path, target_path, capsys):
+    import json
+
+    from eagle3kit.cli import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}))
+    assert main(["doctor", "--target", str(target_path), "--capture-layers", "2", "15", "27",
+                 "--drafter-config", str(cfg)]) == 1
+    assert "eagle_aux_hidden_state_layer_ids = [1, 14, 26]" in capsys.readouterr().out
+    cfg.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}))
+    assert main(["doctor", "--target", str(target_path), "--capture-layers", "2", "15", "27",
+                 "--drafter-config", str(cfg)]) == 0
