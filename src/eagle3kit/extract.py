@@ -6,6 +6,7 @@ one or several for data parallelism) and ``transformers`` (the reference engine,
 """
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -78,6 +79,12 @@ class ReferenceBackend:
     def __init__(self, engine, storage: str = "bf16"):
         self.engine, self.storage = engine, storage
 
+    def prepare(self) -> None:  # the model is loaded already
+        pass
+
+    def close(self) -> None:
+        pass
+
     def run(self, samples_dir: Path, todo: list[Sample], on_done) -> None:
         for s in todo:
             try:
@@ -140,8 +147,7 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
         return {"samples": len(samples), "already_done": len(samples), **totals, "seconds": 0.0,
                 "tokens_per_s": 0.0, "startup_seconds": 0.0, "estimated_bytes": 0, "failures": []}
     t_start = time.time()
-    if hasattr(backend, "prepare"):
-        backend.prepare()
+    backend.prepare()
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -178,8 +184,7 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
         manifest.close()
         if bar is not None:
             bar.close()
-        if hasattr(backend, "close"):
-            backend.close()
+        backend.close()
     return {"samples": len(samples), "already_done": len(samples) - len(todo), **totals, "seconds": seconds,
             "tokens_per_s": totals["tokens"] / seconds if seconds > 0 else 0.0, "startup_seconds": t0 - t_start,
             "estimated_bytes": est["estimated_bytes"], "failures": failures}
@@ -211,11 +216,12 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
         if cache is not None and cache.exists():
             done = {c["id"]: c for c in map(json.loads, cache.read_text().splitlines()) if c}
         mine = [c for i, c in enumerate(convs) if i % world_size == rank and c["id"] not in done]
-        for c in regenerate(mine, regenerate_with, regenerate_max_new_tokens, regenerate_concurrency):
-            done[c["id"]] = c
-            if cache is not None:
-                cache.parent.mkdir(parents=True, exist_ok=True)
-                with open(cache, "a") as f:
-                    f.write(json.dumps(c) + "\n")
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+        with open(cache if cache is not None else os.devnull, "a") as f:
+            for c in regenerate(mine, regenerate_with, regenerate_max_new_tokens, regenerate_concurrency):
+                done[c["id"]] = c
+                f.write(json.dumps(c) + "\n")
+                f.flush()  # a crash keeps every reply generated so far
         convs = [done.get(c["id"], c) if i % world_size == rank else c for i, c in enumerate(convs)]
     return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank), report

@@ -59,8 +59,7 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                                        regenerated_cache=Path(out_dir) / "regenerated.jsonl")
         summary = extract(samples, out_dir, backend, settings, progress=progress)
     finally:
-        if hasattr(backend, "close"):
-            backend.close()
+        backend.close()  # also when only regeneration used the server
     rep = verify(out_dir)
     summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
                    data_records=report.records, data_kept=report.kept,

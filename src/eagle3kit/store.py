@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load
 
-from eagle3kit.capture.format import read_sample
+from eagle3kit.capture.format import decode, read_sample
 from eagle3kit.data.render import spans_to_mask
 
 MANIFEST = "manifest.jsonl"
@@ -30,14 +31,6 @@ class StoreError(ValueError):
 def token_sha256(token_ids) -> str:
     t = torch.as_tensor(token_ids, dtype=torch.int64).contiguous()
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_manifest(out_dir: Path) -> dict[str, dict]:
@@ -133,11 +126,12 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
         if not path.exists():
             bad(f"file {path.name} is missing")
             continue
-        if file_sha256(path) != e["sha256"]:
+        blob = path.read_bytes()  # one read: hashed and parsed from the same bytes
+        if hashlib.sha256(blob).hexdigest() != e["sha256"]:
             bad(f"checksum differs from the manifest ({path.name} changed or is corrupt)")
             continue
         try:
-            t, _ = read_sample(path)
+            t = decode(load(blob))
         except Exception as ex:  # noqa: BLE001
             bad(f"unreadable: {type(ex).__name__}: {ex}")
             continue

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 
-
 def ordered_bits(x: torch.Tensor) -> torch.Tensor:
     """Floats as integers whose difference counts representable values (ULPs) between them."""
     if x.dtype == torch.bfloat16:
@@ -35,25 +34,20 @@ def compare_ranks(capture_dir, keys, ranks) -> list[dict]:
     rows = {}
     for key in keys:
         raw0, meta = _raw(capture_dir / f"{key}.rank{ranks[0]}.safetensors")
-        for r in ranks[1:]:
+        for r in ranks[1:] or ranks[:1]:  # one rank: compared with itself, so the table still has every layer
             raw, _ = _raw(capture_dir / f"{key}.rank{r}.safetensors")
             if raw.shape != raw0.shape:
                 raise ValueError(f"{key}: rank {r} holds {tuple(raw.shape)}, rank {ranks[0]} {tuple(raw0.shape)} "
                                  f"(different tokens per rank: DP attention?)")
             for j, layer in enumerate(meta["layer_ids"]):
                 a, b = raw0[:, j], raw[:, j]
+                ulp = (ordered_bits(a) - ordered_bits(b)).abs()
                 row = rows.setdefault(layer, {"layer_id": layer, "elements": 0, "equal": 0, "max_abs_diff": 0.0,
                                               "max_ulp": 0})
                 row["elements"] += a.numel()
-                row["equal"] += int((ordered_bits(a) == ordered_bits(b)).sum())
+                row["equal"] += int((ulp == 0).sum())
                 row["max_abs_diff"] = max(row["max_abs_diff"], (a.float() - b.float()).abs().max().item())
-                row["max_ulp"] = max(row["max_ulp"], int((ordered_bits(a) - ordered_bits(b)).abs().max()))
-        if len(ranks) == 1:
-            for j, layer in enumerate(meta["layer_ids"]):
-                row = rows.setdefault(layer, {"layer_id": layer, "elements": 0, "equal": 0, "max_abs_diff": 0.0,
-                                              "max_ulp": 0})
-                row["elements"] += raw0[:, j].numel()
-                row["equal"] += raw0[:, j].numel()
+                row["max_ulp"] = max(row["max_ulp"], int(ulp.max()))
     out = []
     for layer in sorted(rows):
         r = rows[layer]

@@ -39,8 +39,9 @@ class SGLangGenerator:
         return r.json()["text"].strip()
 
 
-def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: int = 1) -> list[dict]:
-    """New conversations whose assistant turns are the target's replies to the preceding turns."""
+def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: int = 1):
+    """New conversations whose assistant turns are the target's replies to the preceding turns, yielded in order
+    as each is ready (so that a caller can keep them before the next one is generated)."""
     def one(conv):
         messages = []
         for m in conv["messages"]:
@@ -50,8 +51,9 @@ def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: 
                 messages.append(m)
         return {**conv, "messages": messages, "regenerated": True}
     if concurrency <= 1:
-        return [one(c) for c in conversations]
+        yield from map(one, conversations)
+        return
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(one, conversations))
+        yield from pool.map(one, conversations)
