@@ -1,9 +1,11 @@
 """Extraction throughput on the GPU, all in one run with the same prompts (prints a table, writes metrics.json):
 
-  (a) plain SGLang prefill, no capture (max_new_tokens 0, many requests in flight)
+  (a) plain SGLang prefill, no capture (max_new_tokens 0, many requests in flight); also the capture server
+      answering requests it does not capture (the cost of the hooks alone)
   (b) eagle3kit capture at its best concurrency (bf16 and fp8 storage)
   (c) the serial method used before: one request in flight, max_new_tokens 1
-Ratios b/a (target >= 0.9) and b/c (target >= 10), bytes per token per storage.
+Ratios b/a (target >= 0.9) and b/c (target >= 10), bytes per token per storage. Every request carries a unique
+``extra_key``, so repeated passes over the same prompts never hit the prefix cache.
 ``--engine transformers`` measures the CPU reference engine instead (tokens/s).
 
 usage: python benchmarks/extract_throughput.py --out DIR [--samples 2000] [--server-args ...]
@@ -15,6 +17,7 @@ import json
 import shutil
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,7 +43,9 @@ def plain_prefill(url, prompts, concurrency, max_new_tokens=0):
     def one(item):
         key, ids = item
         s = requests.Session()
-        r = s.post(url + "/generate", json={"input_ids": ids, "rid": f"plain-{key}-{max_new_tokens}",
+        rid = f"plain-{key}-{uuid.uuid4().hex[:8]}"
+        # a unique extra_key, as the capture client sends: no pass can hit the prefix cache of an earlier one
+        r = s.post(url + "/generate", json={"input_ids": ids, "rid": rid, "extra_key": rid,
                                             "sampling_params": {"max_new_tokens": max_new_tokens}}, timeout=600)
         r.raise_for_status()
     t = time.time()
@@ -81,7 +86,13 @@ def gpu(a):
             s.start().wait_healthy()
         warm = dict(list(prompts.items())[:32])
         plain_prefill(servers["plain"].url, warm, 32)
-        res["plain_prefill_tokens_per_s"] = max(plain_prefill(servers["plain"].url, prompts, c) for c in a.concurrency)
+        for c in a.concurrency:
+            res[f"plain_conc{c}_tokens_per_s"] = plain_prefill(servers["plain"].url, prompts, c)
+        best_c = max(a.concurrency, key=lambda c: res[f"plain_conc{c}_tokens_per_s"])
+        res["plain_prefill_tokens_per_s"] = res[f"plain_conc{best_c}_tokens_per_s"]
+        # the capture server answering requests it does not capture: the cost of the hooks being there at all
+        plain_prefill(servers["bf16"].url, warm, 32)
+        res["hooked_no_capture_tokens_per_s"] = plain_prefill(servers["bf16"].url, prompts, best_c)
         best = 0.0
         for storage in ("bf16", "fp8"):
             client = CaptureClient(servers[storage].url, work / storage)
@@ -104,6 +115,7 @@ def gpu(a):
     res["ratio_vs_plain"] = best / res["plain_prefill_tokens_per_s"]
     res["ratio_vs_serial"] = best / res["serial_tokens_per_s"]
     res["bytes_per_token_best"] = min(res["bytes_per_token_bf16"], res["bytes_per_token_fp8"])
+    res["ratio_hooked_no_capture_vs_plain"] = res["hooked_no_capture_tokens_per_s"] / res["plain_prefill_tokens_per_s"]
     res["bytes_ratio_fp8_vs_bf16"] = res["bytes_per_token_fp8"] / res["bytes_per_token_bf16"]
     return res
 

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from eagle3kit.capture.assemble import Piece, Reassembler, gather_index, select_rows
-from eagle3kit.capture.format import decode, encode, read_marker, read_sample, write_sample
+from eagle3kit.capture.format import FORMAT, decode, encode, read_marker, read_sample, write_sample
 from eagle3kit.capture.hook import CaptureSession, capture_config, forward_hooks, slot_layers
 from eagle3kit.capture.rid import RidError, make_rid, parse_rid
 
@@ -186,6 +186,46 @@ def test_format_round_trip_each_storage(tmp_path, spike_dumps, storage):
         assert set(encode(tensors, "fp8")) == {"hidden_states_fp8", "hidden_states_scale", "token_ids"}
     with pytest.raises(ValueError, match="not an eagle3kit capture"):
         decode({"x": torch.zeros(1)})
+
+
+def test_streamed_safetensors_is_what_safetensors_reads_and_hashes(tmp_path):
+    """The writer's own safetensors writer (buffers straight to the file): safetensors' readers load every dtype
+    exactly, each tensor is aligned, and the returned size and sha256 are those of the file on disk."""
+    import hashlib
+    import json
+    import struct
+
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from eagle3kit.capture.format import write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"token_ids": torch.arange(7), "hidden_states": torch.randn(7, 3, 5, generator=g).bfloat16(),
+               "scale": torch.rand(7, 3, generator=g), "q": torch.randn(7, 3, 5, generator=g).to(torch.float8_e4m3fn),
+               "empty": torch.zeros(0, 5)}
+    path = tmp_path / "x.safetensors"
+    n, sha = write_safetensors(path, tensors, {"layer_ids": [1, 2], "engine": "t"})
+    raw = path.read_bytes()
+    assert n == len(raw) and sha == hashlib.sha256(raw).hexdigest()
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata()["layer_ids"] == "[1, 2]" and f.metadata()["format"] == FORMAT
+        for k, t in tensors.items():
+            got = f.get_tensor(k)
+            assert got.dtype == t.dtype and got.shape == t.shape
+            assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+    header_len = struct.unpack("<Q", raw[:8])[0]
+    assert (8 + header_len) % 8 == 0
+    header = json.loads(raw[8:8 + header_len])
+    for k, t in tensors.items():
+        assert header[k]["data_offsets"][0] % t.element_size() == 0
+    # the same tensors through safetensors' own writer read back identically
+    ref = load(save(tensors))
+    with safe_open(str(path), "pt") as f:
+        assert all(torch.equal(ref[k].view(torch.uint8), f.get_tensor(k).view(torch.uint8)) for k in tensors)
+    with pytest.raises(ValueError, match="complex64"):
+        write_safetensors(tmp_path / "bad.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)}, {})
+    assert not (tmp_path / "bad.safetensors").exists()
 
 
 def test_writer_bounds_memory_until_files_are_written(tmp_path):

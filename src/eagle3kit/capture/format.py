@@ -17,12 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import threading
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
 FORMAT = "eagle3kit-capture/1"
 STORAGES = ("bf16", "fp8", "fp32")  # fp32: exact copies of a float32 engine (TP check on the CPU)
@@ -71,14 +71,59 @@ def decode(stored: dict) -> dict:
     return out
 
 
-def serialize(tensors: dict, metadata: dict) -> bytes:
+_ST_DTYPES = {torch.float64: "F64", torch.int64: "I64", torch.float32: "F32", torch.int32: "I32",
+              torch.bfloat16: "BF16", torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
+
+
+def _string_metadata(metadata: dict) -> dict:
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
     meta["format"] = FORMAT
-    return save(tensors, metadata=meta)
+    return meta
+
+
+def write_safetensors(path: Path, tensors: dict, metadata: dict) -> tuple[int, str]:
+    """Write a safetensors file (atomically) straight from the tensors' buffers; returns (bytes, sha256).
+
+    The hot path of the capture: a header, then each tensor's memory handed to ``write`` and ``sha256`` as a
+    buffer, so no serialized copy is made and the GIL is released during both (the writer threads live inside
+    SGLang's scheduler process). Tensors are laid out by descending element size, as safetensors does, so each
+    one is aligned for a zero-copy reader."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header, bufs, off = {}, [], 0
+    for name in order:
+        t = tensors[name].detach().contiguous().cpu()
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} has no safetensors name here")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+        if n:
+            bufs.append(t.reshape(-1).view(torch.uint8).numpy())
+    header["__metadata__"] = _string_metadata(metadata)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    head = struct.pack("<Q", len(h)) + h
+    sha = hashlib.sha256(head)
+    tmp = _tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for b in bufs:
+                f.write(b)
+                sha.update(b)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return len(head) + off, sha.hexdigest()
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp = _tmp_name(path)
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
@@ -88,12 +133,11 @@ def write_sample(out_dir: Path, key: str, rank: int, tensors: dict, metadata: di
                  extra_marker: dict | None = None) -> dict:
     """Encode, write ``<key>.rank<r>.safetensors`` then its marker; returns the marker."""
     stored = encode(tensors, storage)
-    blob = serialize(stored, {**metadata, "storage": storage})
     name = sample_name(key, rank)
-    atomic_write(Path(out_dir) / f"{name}.safetensors", blob)
+    nbytes, sha = write_safetensors(Path(out_dir) / f"{name}.safetensors", stored, {**metadata, "storage": storage})
     hs = stored.get("hidden_states", stored.get("hidden_states_fp8"))
-    marker = {"status": "ok", "key": key, "rank": rank, "file": f"{name}.safetensors", "bytes": len(blob),
-              "sha256": hashlib.sha256(blob).hexdigest(), "n_tokens": int(hs.shape[0]),
+    marker = {"status": "ok", "key": key, "rank": rank, "file": f"{name}.safetensors", "bytes": nbytes,
+              "sha256": sha, "n_tokens": int(hs.shape[0]),
               "n_states": int(hs.shape[1]), "hidden_size": int(hs.shape[2]), "storage": storage,
               "time": time.time(), **(extra_marker or {})}
     write_marker(out_dir, key, rank, marker)
