@@ -11,9 +11,9 @@ What it takes, from where (SGLang 0.5.14, Llama-style models; DESIGN.md lists th
     skipped), ``rids``, ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu`` (rows are packed in ``rids`` order).
 
 Hot path per selected forward: one add and (for mixed batches) one gather per hooked layer on the GPU, then a
-copy into pinned host memory on a side stream; the writer thread waits for the copy, splits, reassembles chunks
-and writes. Every hook body is wrapped: an exception is counted and reported in ``_status.rank<r>.json`` and in
-the request's marker, never raised into SGLang.
+copy on a side stream into a pinned shared-memory ring; a separate writer process (``writer_process.py``) splits,
+reassembles chunks and writes, so no file work runs under the scheduler's GIL. Every hook body is wrapped: an
+exception is counted and reported in ``_status.rank<r>.json``, never raised into SGLang.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import torch
 from eagle3kit.capture.assemble import gather_index, select_rows
 from eagle3kit.capture.format import capture_metadata
 from eagle3kit.capture.rid import RID_PREFIX
-from eagle3kit.capture.writer import CaptureWriter, Job
+from eagle3kit.capture.writer import Job
+from eagle3kit.capture.writer_process import WriterProcess
 
 log = logging.getLogger("eagle3kit.capture")
 FACTORY = "eagle3kit.capture.hook"
@@ -66,12 +67,12 @@ def forward_hooks(config: dict, layer_module: str = "model.layers.{}") -> list[d
 
 class _Forward:
     """Captured rows of the forward in progress."""
-    __slots__ = ("fb", "sel", "index", "slots", "extra", "nbytes")
+    __slots__ = ("fb", "sel", "index", "slots", "host", "nbytes")
 
     def __init__(self, fb, sel, index, n_slots):
         self.fb, self.sel, self.index = fb, sel, index
         self.slots = [None] * n_slots
-        self.extra: dict = {}
+        self.host: list = []  # host buffers taken for this forward (given back if it is abandoned)
         self.nbytes = 0
 
 
@@ -97,7 +98,7 @@ class CaptureSession:
         if self.active:
             meta = capture_metadata("sglang", config["model"], rank, tp_size, slots, config["num_layers"],
                                     config["final_normed"])
-            self.writer = CaptureWriter(config["capture_dir"], rank, meta, storage=config["storage"],
+            self.writer = WriterProcess(config["capture_dir"], rank, meta, storage=config["storage"],
                                         io_threads=config["io_threads"],
                                         max_inflight_bytes=config["max_inflight_mb"] << 20)
 
@@ -115,7 +116,7 @@ class CaptureSession:
             return self.cur
         if self.cur is not None:  # the previous forward never reached the logits processor
             self.writer.note("forwards_abandoned")
-        self.cur = None
+            self.abandon()
         if fb.forward_mode != self.extend_mode or fb.rids is None:
             return None
         sel = select_rows(fb.rids, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, self.prefix)
@@ -138,16 +139,23 @@ class CaptureSession:
         ids = getattr(fb, "input_ids", None)
         return ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
 
+    def abandon(self) -> None:
+        """Forget the forward in progress and give its host buffers back."""
+        st, self.cur = self.cur, None
+        if st is not None and st.host and self.writer is not None:
+            self.writer.discard(st.host)
+
     def _copy(self, st: _Forward, x: torch.Tensor) -> torch.Tensor:
         rows = x if st.index is None else x.index_select(0, st.index)
         st.nbytes += rows.numel() * rows.element_size()
+        dst = self.writer.host_empty(rows.shape, rows.dtype, cuda=rows.is_cuda)
+        st.host.append(dst)
         if not rows.is_cuda:
-            return rows.detach().clone()
+            return dst.copy_(rows)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=rows.device)
         self._stream.wait_stream(torch.cuda.current_stream(rows.device))
         with torch.cuda.stream(self._stream):
-            dst = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             dst.copy_(rows, non_blocking=True)
         rows.record_stream(self._stream)
         return dst
@@ -173,8 +181,8 @@ class CaptureSession:
         mode = getattr(fb.forward_mode, "name", str(fb.forward_mode)).lower()
         self.writer.note(f"forwards_{mode}")
         st = self._state(fb, args[1].shape[0])
-        self.cur = None
         if st is None or not st.sel.spans:
+            self.cur = None
             return
         missing = [k for k, idx in self.layer_slots.items() if any(st.slots[i] is None for i in idx)]
         if missing:
@@ -187,6 +195,7 @@ class CaptureSession:
         if self._stream is not None and args[1].is_cuda:
             event = torch.cuda.Event()
             event.record(self._stream)
+        self.cur = None  # the job owns the host buffers now
         self.writer.submit(Job(st.sel, tensors, event, st.nbytes))
 
 
@@ -210,7 +219,10 @@ def _guarded(session: CaptureSession, where: str, fn, *args):
     try:
         fn(*args)
     except Exception as e:  # noqa: BLE001 - never raise into SGLang
-        session.cur = None
+        try:
+            session.abandon()
+        except Exception:  # noqa: BLE001
+            session.cur = None
         if session.writer is not None:
             session.writer.error(where, e)
 

@@ -1,6 +1,7 @@
-"""The capture's writer thread: waits for the asynchronous device-to-host copies, splits and reassembles
-requests, writes files atomically, and keeps ``_status.rank<r>.json`` up to date. Nothing here raises into the
-caller: failures are counted and written as markers.
+"""The capture's writer: waits for the asynchronous device-to-host copies, splits and reassembles requests, writes
+files atomically, and keeps ``_status.rank<r>.json`` up to date. Nothing here raises into the caller: failures are
+counted and written as markers. Inside SGLang it runs in its own process (``writer_process.py``), fed through a
+shared-memory ring, so its work never competes with the scheduler for the GIL; in-process it serves tests and tools.
 
 Memory is bounded: ``submit`` blocks while more than ``max_inflight_bytes`` of copies wait to be written
 (back-pressure on the server rather than an unbounded queue or lost samples).
@@ -30,11 +31,12 @@ class Job:
     tensors: dict  # name -> CPU tensor [n_rows, ...]; "hidden_states" is a list of [n_rows, H] per slot
     event: object | None  # CUDA event recorded after the copies (None on the CPU)
     nbytes: int
+    tag: object = None  # the writer process's job id
 
 
 class CaptureWriter:
     def __init__(self, out_dir, rank: int, metadata: dict, storage: str = "bf16", io_threads: int = 4,
-                 max_inflight_bytes: int = 2 << 30, max_pending: int = 4096):
+                 max_inflight_bytes: int = 2 << 30, max_pending: int = 4096, on_release=None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.metadata, self.storage = rank, metadata, storage
@@ -43,6 +45,8 @@ class CaptureWriter:
         self.counts: Counter = Counter()
         self.ignored: Counter = Counter()
         self.last_error = ""
+        self.external: dict = {}  # counts, ignored rows and last error reported by the scheduler side
+        self.on_release = on_release  # called with each job once its files are written
         self.inflight = 0
         self._cv = threading.Condition()
         self._q: queue.Queue = queue.Queue()
@@ -90,9 +94,12 @@ class CaptureWriter:
         """The job's bytes count as in flight until its last file is written (bounded memory, writes included)."""
         with self._cv:
             writes[0] -= 1
-            if writes[0] == 0:
+            done = writes[0] == 0
+            if done:
                 self.inflight -= job.nbytes
                 self._cv.notify_all()
+        if done and self.on_release is not None:
+            self.on_release(job)
 
     def _handle(self, job: Job, writes: list):
         if job.event is not None:
@@ -148,9 +155,12 @@ class CaptureWriter:
 
     # -- status --------------------------------------------------------------------------------------------
     def status(self) -> dict:
-        return {"rank": self.rank, "counts": dict(self.counts), "ignored_rows_by_kind": dict(self.ignored),
+        ext = self.external
+        return {"rank": self.rank, "counts": dict(self.counts + Counter(ext.get("counts", {}))),
+                "ignored_rows_by_kind": dict(self.ignored + Counter(ext.get("ignored", {}))),
                 "pending_partial": len(self.reassembler.pending), "inflight_bytes": self.inflight,
-                "queue": self._q.qsize(), "last_error": self.last_error, "time": time.time()}
+                "queue": self._q.qsize(), "last_error": self.last_error or ext.get("last_error", ""),
+                "time": time.time()}
 
     def _status(self, force: bool = False):
         now = time.time()
