@@ -248,8 +248,8 @@ def test_writer_bounds_memory_until_files_are_written(tmp_path):
     jobs = []
     for i in range(3):
         sel = select_rows([make_rid(f"k{i}", 4)], [4], [0])
-        jobs.append(Job(sel, {"hidden_states": [torch.randn(4, 400), torch.randn(4, 400)],
-                              "token_ids": torch.arange(4)}, None, nbytes=6_400))
+        jobs.append(Job(sel, {"hidden_states": torch.randn(4, 2, 400), "token_ids": torch.arange(4)}, None,
+                        nbytes=6_400))
     w.submit(jobs[0])
     t = threading.Thread(target=w.submit, args=(jobs[1],))
     t.start()

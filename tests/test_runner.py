@@ -1,5 +1,6 @@
 """The papermill runner: real execution of small notebooks, parameter validation, failing cells, metrics."""
 import json
+import os
 import subprocess
 import sys
 
@@ -36,9 +37,14 @@ def write_params(project, text):
     return p
 
 
-def test_papermill_executes_and_records_metrics(project):
+def test_papermill_executes_and_records_metrics(project, monkeypatch, tmp_path_factory):
     p = write_params(project, "experiment: e\nsteps: [a_square]\nnotebooks:\n  a_square: {n: 7}\n")
+    scratch = tmp_path_factory.mktemp("scratch")
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    monkeypatch.delenv("JUPYTER_PATH", raising=False)
     out = run(p, run_dir=project / "out")
+    assert not list(scratch.iterdir()) and "JUPYTER_PATH" not in os.environ  # the private kernelspec is gone
     assert json.loads((out / "a_square" / "metrics.json").read_text()) == {"square": 49, "label": "x"}
     assert json.loads((out / "metrics.json").read_text())["square"] == 49
     assert json.loads((out / "status.json").read_text())["a_square"]["state"] == "ok"

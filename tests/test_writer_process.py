@@ -51,12 +51,12 @@ def test_writer_process_writes_through_a_small_ring_with_back_pressure(tmp_path)
     for i in range(40):
         n = 5 + i % 7
         ids = torch.randint(0, 1000, (n,), generator=g)
-        hs = [torch.randn(n, 64, generator=g).bfloat16() for _ in range(2)]
-        host = [w.host_empty(h.shape, h.dtype, cuda=False).copy_(h) for h in hs]
+        hs = torch.randn(n, 2, 64, generator=g).bfloat16()
+        host = w.host_empty(hs.shape, hs.dtype, cuda=False).copy_(hs)
         tok = w.host_empty(ids.shape, ids.dtype, cuda=False).copy_(ids)
         sel = select_rows([make_rid(f"k{i}", n)], [n], [0])
-        w.submit(Job(sel, {"hidden_states": host, "token_ids": tok}, None, sum(h.nbytes for h in host)))
-        sent[f"k{i}"] = (ids, torch.stack(hs, 1))
+        w.submit(Job(sel, {"hidden_states": host, "token_ids": tok}, None, host.nbytes))
+        sent[f"k{i}"] = (ids, hs)
     st = w.flush()
     assert st["counts"]["written"] == 40 and st["counts"]["backpressure_waits"] >= 1
     for k, (ids, hs) in sent.items():

@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -64,6 +65,21 @@ def ensure_kernel(root: Path) -> None:
     os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("JUPYTER_PATH")]))
 
 
+@contextmanager
+def private_kernel():
+    """The ``eagle3kit`` kernelspec in a temporary folder for the time of a run; JUPYTER_PATH restored after."""
+    before = os.environ.get("JUPYTER_PATH")
+    with tempfile.TemporaryDirectory(prefix="eagle3kit-kernel-") as root:
+        ensure_kernel(Path(root))
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("JUPYTER_PATH", None)
+            else:
+                os.environ["JUPYTER_PATH"] = before
+
+
 def plan_run(params_file: Path, notebooks_dir: Path, only=None, overrides=()) -> Plan:
     data = apply_overrides(load_yaml(params_file), list(overrides))
     available = notebooks_in(notebooks_dir)
@@ -81,9 +97,6 @@ def _write_json(path: Path, obj) -> None:
 
 def execute(plan: Plan, notebooks_dir: Path, run_dir: Path | None = None, cwd: Path | None = None) -> Path:
     """Run every step of ``plan``; returns the run folder. Raises StepFailed naming the notebook and cell."""
-    import papermill as pm
-    from papermill.exceptions import PapermillExecutionError
-
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(run_dir or plan.output_root / plan.experiment / stamp).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +104,15 @@ def execute(plan: Plan, notebooks_dir: Path, run_dir: Path | None = None, cwd: P
         {"experiment": plan.experiment, "steps": plan.steps, "notebooks": plan.per_step}, sort_keys=False))
     status = {s: {"state": "pending"} for s in plan.steps}
     _write_json(run_dir / "status.json", status)
-    ensure_kernel(Path(tempfile.mkdtemp(prefix="eagle3kit-kernel-")))
+    with private_kernel():
+        _run_steps(plan, notebooks_dir, run_dir, cwd, status)
+    return run_dir
+
+
+def _run_steps(plan: Plan, notebooks_dir: Path, run_dir: Path, cwd: Path | None, status: dict) -> None:
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
     merged: dict = {}
     for i, step in enumerate(plan.steps, 1):
         step_dir = run_dir / step
@@ -121,7 +142,6 @@ def execute(plan: Plan, notebooks_dir: Path, run_dir: Path | None = None, cwd: P
         status[step] = {"state": "ok", "seconds": round(time.time() - t0, 1), "metrics": len(step_metrics)}
         _write_json(run_dir / "status.json", status)
         print(f"[{i}/{len(plan.steps)}] {step}: ok in {time.time() - t0:.0f} s, {len(step_metrics)} metrics", flush=True)
-    return run_dir
 
 
 def run(params_file, notebooks_dir=None, only=None, overrides=(), run_dir=None) -> Path:

@@ -3,9 +3,10 @@ many requests in flight, and knows a capture is finished when its marker file ap
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eagle3kit.capture.format import read_marker, sample_name
@@ -76,19 +77,43 @@ class CaptureClient:
         return marker
 
     def capture_many(self, items, concurrency: int = 64, max_new_tokens: int = 0, on_done=None) -> list[dict]:
-        """``items``: (key, input_ids) pairs. Markers in completion order; ``on_done(key, marker)`` per item."""
-        results = []
-        with ThreadPoolExecutor(concurrency) as pool:
-            futures = {pool.submit(self.capture, k, ids, max_new_tokens): k for k, ids in items}
-            for f in as_completed(futures):
-                key = futures[f]
+        """``items``: (key, input_ids) pairs. Markers in completion order; ``on_done(key, marker)`` per item, called
+        from this thread.
+
+        ``concurrency`` requests stay in flight at the server: a request's slot is freed as soon as SGLang answers,
+        and its marker is awaited beside it, so the writer's latency never starves the server (its memory is
+        bounded on the server side, by the capture ring's back-pressure)."""
+        done: queue.Queue = queue.Queue()
+
+        def failed(key, e):
+            return {"status": "error", "key": key, "reason": f"{type(e).__name__}: {e}"}
+
+        def wait(key, out):
+            try:
+                m = self.wait(key)
+                m["meta_info"] = out.get("meta_info", {})
+            except Exception as e:  # noqa: BLE001 - one failed request must not lose the others
+                m = failed(key, e)
+            done.put((key, m))
+
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="e3k-wait") as waits:
+            def post(key, ids):
                 try:
-                    m = f.result()
-                except Exception as e:  # noqa: BLE001 - one failed request must not lose the others
-                    m = {"status": "error", "key": key, "reason": f"{type(e).__name__}: {e}"}
-                results.append(m)
-                if on_done:
-                    on_done(key, m)
+                    self.clear(key)
+                    out = self.generate(key, ids, max_new_tokens)
+                except Exception as e:  # noqa: BLE001
+                    done.put((key, failed(key, e)))
+                    return
+                waits.submit(wait, key, out)
+
+            with ThreadPoolExecutor(concurrency, thread_name_prefix="e3k-post") as posts:
+                n = sum(1 for key, ids in items if posts.submit(post, key, ids))
+                results = []
+                for _ in range(n):
+                    key, m = done.get()
+                    results.append(m)
+                    if on_done:
+                        on_done(key, m)
         return results
 
     def status(self) -> dict:

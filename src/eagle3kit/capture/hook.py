@@ -10,8 +10,9 @@ What it takes, from where (SGLang 0.5.14, Llama-style models; DESIGN.md lists th
   * ``ForwardBatch``: ``forward_mode`` (only ``ForwardMode.EXTEND``; DECODE, MIXED, TARGET_VERIFY, IDLE are
     skipped), ``rids``, ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu`` (rows are packed in ``rids`` order).
 
-Hot path per selected forward: one add and (for mixed batches) one gather per hooked layer on the GPU, then a
-copy on a side stream into a pinned shared-memory ring; a separate writer process (``writer_process.py``) splits,
+Hot path per selected forward: per hooked layer one add (and, for mixed batches, a gather) written into its slot
+of one ``[rows, slots, H]`` block on the GPU (the file's layout), then one copy of the block on a side stream into
+a pinned shared-memory ring; a separate writer process (``writer_process.py``) splits,
 reassembles chunks and writes, so no file work runs under the scheduler's GIL. Every hook body is wrapped: an
 exception is counted and reported in ``_status.rank<r>.json``, never raised into SGLang.
 """
@@ -67,11 +68,12 @@ def forward_hooks(config: dict, layer_module: str = "model.layers.{}") -> list[d
 
 class _Forward:
     """Captured rows of the forward in progress."""
-    __slots__ = ("fb", "sel", "index", "slots", "host", "nbytes")
+    __slots__ = ("fb", "sel", "index", "states", "filled", "host", "nbytes")
 
-    def __init__(self, fb, sel, index, n_slots):
+    def __init__(self, fb, sel, index):
         self.fb, self.sel, self.index = fb, sel, index
-        self.slots = [None] * n_slots
+        self.states = None  # [n_rows, n_slots, H], the file's layout, filled layer by layer
+        self.filled: set[int] = set()
         self.host: list = []  # host buffers taken for this forward (given back if it is abandoned)
         self.nbytes = 0
 
@@ -126,12 +128,12 @@ class CaptureSession:
             self.writer.note("bad_rids")
             self.writer.last_error = why
         if not sel.spans:
-            self.cur = _Forward(fb, sel, None, 0)  # remembered so that later layers return at once
+            self.cur = _Forward(fb, sel, None)  # remembered so that later layers return at once
             return self.cur
         index = gather_index(sel, total_rows)
         if index is not None:
             index = index.to(self._device_of(fb), non_blocking=True)
-        self.cur = _Forward(fb, sel, index, self.n_slots)
+        self.cur = _Forward(fb, sel, index)
         return self.cur
 
     @staticmethod
@@ -145,11 +147,15 @@ class CaptureSession:
         if st is not None and st.host and self.writer is not None:
             self.writer.discard(st.host)
 
-    def _copy(self, st: _Forward, x: torch.Tensor) -> torch.Tensor:
-        rows = x if st.index is None else x.index_select(0, st.index)
-        st.nbytes += rows.numel() * rows.element_size()
-        dst = self.writer.host_empty(rows.shape, rows.dtype, cuda=rows.is_cuda)
+    def _host(self, st: _Forward, shape, dtype, cuda: bool) -> torch.Tensor:
+        dst = self.writer.host_empty(shape, dtype, cuda=cuda)
         st.host.append(dst)
+        return dst
+
+    def _copy(self, st: _Forward, rows: torch.Tensor) -> torch.Tensor:
+        """Host copy of ``rows`` (already selected); asynchronous on a side stream from the GPU."""
+        st.nbytes += rows.numel() * rows.element_size()
+        dst = self._host(st, rows.shape, rows.dtype, rows.is_cuda)
         if not rows.is_cuda:
             return dst.copy_(rows)
         if self._stream is None:
@@ -160,6 +166,9 @@ class CaptureSession:
         rows.record_stream(self._stream)
         return dst
 
+    def _rows(self, st: _Forward, x: torch.Tensor) -> torch.Tensor:
+        return x if st.index is None else x.index_select(0, st.index)
+
     def on_layer(self, layer: int, args, output):
         fb = self._forward_batch(args, 2)
         if fb is None:
@@ -169,10 +178,19 @@ class CaptureSession:
         st = self._state(fb, h.shape[0])
         if st is None or not st.sel.spans:
             return
-        x = h + r if r is not None else h
-        cpu = self._copy(st, x)
-        for i in self.layer_slots.get(layer, ()):
-            st.slots[i] = cpu
+        if st.states is None:
+            # one [rows, slots, H] block per forward: on the GPU (one copy to the host at the end), on the CPU
+            # straight in host memory; each layer's residual sum is written into its slot
+            shape = (st.sel.n_rows, self.n_slots, h.shape[-1])
+            st.states = (torch.empty(shape, dtype=h.dtype, device=h.device) if h.is_cuda
+                         else self._host(st, shape, h.dtype, False))
+        slots = self.layer_slots.get(layer, ())
+        for i in slots:
+            if r is None:
+                st.states[:, i].copy_(self._rows(st, h))
+            else:
+                torch.add(self._rows(st, h), self._rows(st, r), out=st.states[:, i])
+            st.filled.add(i)
 
     def on_end(self, args):
         fb = self._forward_batch(args, 3)
@@ -184,13 +202,18 @@ class CaptureSession:
         if st is None or not st.sel.spans:
             self.cur = None
             return
-        missing = [k for k, idx in self.layer_slots.items() if any(st.slots[i] is None for i in idx)]
+        missing = [k for k, idx in self.layer_slots.items() if any(i not in st.filled for i in idx)]
         if missing:
             raise RuntimeError(f"no output captured from decoder layers {missing}: their hooks did not fire "
                                f"(module names differ from the layer_module template?)")
-        tensors = {"hidden_states": st.slots, "token_ids": self._copy(st, args[0])}
+        states = st.states
+        if states.is_cuda:
+            states = self._copy(st, states)
+        else:
+            st.nbytes += states.numel() * states.element_size()
+        tensors = {"hidden_states": states, "token_ids": self._copy(st, self._rows(st, args[0]))}
         if self.config["final_normed"]:
-            tensors["final_normed"] = self._copy(st, args[1])
+            tensors["final_normed"] = self._copy(st, self._rows(st, args[1]))
         event = None
         if self._stream is not None and args[1].is_cuda:
             event = torch.cuda.Event()

@@ -28,7 +28,7 @@ from eagle3kit.capture.format import atomic_write, write_marker, write_sample
 class Job:
     """One forward's captured rows: tensors hold only the selected rows, in span order."""
     selection: Selection
-    tensors: dict  # name -> CPU tensor [n_rows, ...]; "hidden_states" is a list of [n_rows, H] per slot
+    tensors: dict  # name -> CPU tensor [n_rows, ...]; "hidden_states" is [n_rows, n_slots, H]
     event: object | None  # CUDA event recorded after the copies (None on the CPU)
     nbytes: int
     tag: object = None  # the writer process's job id
@@ -105,13 +105,12 @@ class CaptureWriter:
         if job.event is not None:
             job.event.synchronize()
         t = job.tensors
-        hidden = torch.stack(t["hidden_states"], dim=1)  # [n_rows, n_slots, H]
         row = 0
         for span in job.selection.spans:
             n = span.stop - span.start
-            piece = {"hidden_states": hidden[row:row + n], "token_ids": t["token_ids"][row:row + n]}
-            if "final_normed" in t:
-                piece["final_normed"] = t["final_normed"][row:row + n]
+            piece = {name: x[row:row + n] for name, x in t.items()}  # views: written straight from the job's memory
+            if span.offset + n < span.expected:  # a first or middle chunk waits beyond this job: own copy
+                piece = {name: x.clone() for name, x in piece.items()}
             row += n
             for outcome in self.reassembler.add(Piece(span, piece)):
                 self._finish(outcome, job, writes)

@@ -73,6 +73,7 @@ class WriterProcess:
         env = dict(os.environ)
         src = str(Path(__file__).resolve().parents[2])  # eagle3kit importable in the child, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        env["OMP_NUM_THREADS"] = "1"  # its torch work is per file, in parallel IO threads: no spinning thread pools
         self.proc = subprocess.Popen([sys.executable, "-m", "eagle3kit.capture.writer_process", json.dumps(spec)],
                                      pass_fds=(job_r, ack_w, self.ring.fd), stdin=subprocess.DEVNULL, env=env)
         os.close(job_r)
@@ -116,12 +117,8 @@ class WriterProcess:
         self.last_error = f"{where}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
 
     def submit(self, job: Job) -> None:
-        t = job.tensors
-        desc = {"hidden_states": [self._describe(x) for x in t["hidden_states"]]}
-        for name in ("token_ids", "final_normed"):
-            if name in t:
-                desc[name] = self._describe(t[name])
-        offsets = sorted({d[0] for d in desc["hidden_states"]} | {d[0] for k, d in desc.items() if k != "hidden_states"})
+        desc = {name: self._describe(x) for name, x in job.tensors.items()}
+        offsets = sorted({d[0] for d in desc.values()})
         with self._lock:
             self._next += 1
             jid = self._next
@@ -241,6 +238,7 @@ class WriterProcess:
 def main(argv=None) -> int:
     """The writer process: jobs in, files out, acknowledgements back."""
     spec = json.loads((argv or sys.argv[1:])[0])
+    torch.set_num_threads(1)
     ring = HostRing(spec["ring_size"], fd=spec["ring_fd"])
     acks = os.fdopen(spec["ack_fd"], "wb")
     lock = threading.Lock()
@@ -263,12 +261,8 @@ def main(argv=None) -> int:
             break
         writer.external = msg["parent"]
         if msg["kind"] == "job":
-            views = {name: ring.view(off, shape, getattr(torch, dt)) for name, (off, dt, shape) in
-                     ((k, v) for k, v in msg["tensors"].items() if k != "hidden_states")}
-            tensors = {"hidden_states": [ring.view(off, shape, getattr(torch, dt))
-                                         for off, dt, shape in msg["tensors"]["hidden_states"]],
-                       # chunks wait in the reassembler beyond the job: keep no view of the ring there
-                       **{name: v.clone() for name, v in views.items()}}
+            tensors = {name: ring.view(off, shape, getattr(torch, dt)) for name, (off, dt, shape) in
+                       msg["tensors"].items()}
             writer.submit(Job(msg["selection"], tensors, None, msg["nbytes"], tag=msg["id"]))
         elif msg["kind"] == "flush":
             writer.flush()

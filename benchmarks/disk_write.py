@@ -1,0 +1,56 @@
+"""The storage side of extraction on this machine: how fast files of capture size can be written (page cache and
+disk), hashed, and where scratch space lives. Prints a table; run it beside extract_throughput.py to tell whether
+a capture run is bound by the server or by the disk.
+
+usage: python benchmarks/disk_write.py [--dir /tmp/e3k-disk] [--gb 16] [--file-mb 6.3] [--threads 4]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default="/tmp/e3k-disk")
+    p.add_argument("--gb", type=float, default=16)
+    p.add_argument("--file-mb", type=float, default=6.3)  # a 1,366-token SmolLM2 sample in bf16
+    p.add_argument("--threads", type=int, default=4)
+    a = p.parse_args(argv)
+    d = Path(a.dir)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    blob = os.urandom(int(a.file_mb * 2**20))
+    n = int(a.gb * 2**30 / len(blob))
+    t = time.time()
+    for _ in range(max(1, n // 20)):
+        hashlib.sha256(blob).digest()
+    sha = len(blob) * max(1, n // 20) / (time.time() - t)
+
+    def one(i):
+        with open(d / f"{i}.bin", "wb") as f:
+            f.write(blob)
+    t = time.time()
+    with ThreadPoolExecutor(a.threads) as ex:
+        list(ex.map(one, range(n)))
+    buffered = n * len(blob) / (time.time() - t)
+    t2 = time.time()
+    os.sync()
+    synced = n * len(blob) / (time.time() - t)
+    print(f"files {n} x {len(blob) / 2**20:.1f} MiB = {n * len(blob) / 2**30:.1f} GiB in {a.dir}")
+    print(f"write (returned)      {buffered / 2**20:10,.0f} MiB/s")
+    print(f"write + sync          {synced / 2**20:10,.0f} MiB/s   (sync took {time.time() - t2:.1f} s)")
+    print(f"sha256 one thread     {sha / 2**20:10,.0f} MiB/s")
+    for cmd in (["df", "-h", a.dir, "/dev/shm"], ["free", "-g"], ["sysctl", "vm.dirty_ratio", "vm.dirty_background_ratio"]):
+        print(subprocess.run(cmd, capture_output=True, text=True).stdout.strip())
+    shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
