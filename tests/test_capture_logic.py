@@ -116,7 +116,7 @@ def test_session_captures_batched_and_chunked_requests_like_the_reference(tmp_pa
         with torch.no_grad():
             out = reference.model(torch.tensor([ids]), output_hidden_states=True)
         per[k] = [h[0] for h in out.hidden_states[:L]] + [reference._pre_norm[0]]
-    cfg = capture_config(tmp_path, [2, 15, 27], L)
+    cfg = capture_config(tmp_path, [2, 15, 27], L, final_normed=True)
     session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
     warm = torch.randn(4, reference.info.hidden_size)
     cut = 5  # request b arrives in two chunks: 5 tokens now, the rest in the next forward
@@ -140,6 +140,8 @@ def test_session_captures_batched_and_chunked_requests_like_the_reference(tmp_pa
         for j, layer in enumerate(meta["layer_ids"]):
             ref = per[k][layer].to(torch.bfloat16)
             assert torch.allclose(t["hidden_states"][:, j].float(), ref.float(), rtol=1e-2, atol=1e-2), (k, layer)
+        # what the logits processor was handed for these rows (run_forward passes the final state as "normed")
+        assert torch.equal(t["final_normed"], per[k][L].to(torch.bfloat16))
     assert read_marker(tmp_path, "b")["chunks"] == 2
     assert json.loads((tmp_path / "_status.rank0.json").read_text())["counts"]["written"] == 2
 
