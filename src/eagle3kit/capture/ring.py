@@ -44,6 +44,10 @@ class HostRing:
         n = int(torch.Size(shape).numel()) * dtype.itemsize
         return self.buf[offset:offset + n].view(dtype).view(tuple(shape))
 
+    def empty(self, shape, dtype: torch.dtype, **alloc_kw) -> torch.Tensor:
+        """A tensor in a new region of the ring (see ``alloc`` for blocking)."""
+        return self.view(self.alloc(int(torch.Size(shape).numel()) * dtype.itemsize, **alloc_kw), shape, dtype)
+
     def offset_of(self, t: torch.Tensor) -> int:
         off = t.data_ptr() - self.base
         if not 0 <= off < self.size:

@@ -100,9 +100,8 @@ class WriterProcess:
             raise RuntimeError(self.last_error)
         if cuda and not self.ring.pinned and not self.ring.pin():
             self.note("ring_not_pinned")  # still correct: the copies are synchronous
-        n = int(torch.Size(shape).numel()) * dtype.itemsize
-        off = self.ring.alloc(n, alive=self.alive, on_wait=lambda: self.counts.update(["backpressure_waits"]))
-        return self.ring.view(off, shape, dtype)
+        return self.ring.empty(shape, dtype, alive=self.alive,
+                               on_wait=lambda: self.counts.update(["backpressure_waits"]))
 
     def discard(self, tensors) -> None:
         self.ring.release([self.ring.offset_of(t) for t in tensors])
