@@ -4,7 +4,9 @@
       answering requests it does not capture (the cost of the hooks alone)
   (b) eagle3kit capture at its best concurrency (bf16 and fp8 storage)
   (c) the serial method used before: one request in flight, max_new_tokens 1
-Ratios b/a (target >= 0.9) and b/c (target >= 10), bytes per token per storage. Every request carries a unique
+Ratios b/a (target >= 0.9) and b/c (target >= 10), bytes per token per storage. The capture servers' status
+counts say where time went: ``hook_us`` (the scheduler's time inside the hooks), ``backpressure_us`` (forwards
+waiting for the writer). Every request carries a unique
 ``extra_key``, so repeated passes over the same prompts never hit the prefix cache.
 ``--engine transformers`` measures the CPU reference engine instead (tokens/s).
 
@@ -101,6 +103,7 @@ def gpu(a):
                 tps, dt, bad, markers = timed_capture(client, prompts, c)
                 res[f"capture_{storage}_conc{c}_tokens_per_s"] = tps
                 res[f"capture_{storage}_conc{c}_failed"] = len(bad)
+                res[f"capture_{storage}_conc{c}_seconds"] = dt
                 best[storage] = max(best[storage], tps)
             ok = [m for m in markers if m.get("status") == "ok"]
             res[f"bytes_per_token_{storage}"] = sum(m["bytes"] for m in ok) / sum(m["n_tokens"] for m in ok)

@@ -59,6 +59,7 @@ def test_writer_process_writes_through_a_small_ring_with_back_pressure(tmp_path)
         sent[f"k{i}"] = (ids, hs)
     st = w.flush()
     assert st["counts"]["written"] == 40 and st["counts"]["backpressure_waits"] >= 1
+    assert st["counts"]["backpressure_us"] > 0
     for k, (ids, hs) in sent.items():
         t, _ = read_sample(tmp_path / f"{k}.rank0.safetensors")
         assert torch.equal(t["token_ids"], ids) and torch.equal(t["hidden_states"], hs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import torch
 
@@ -239,8 +240,11 @@ def _session(config: dict) -> CaptureSession:
 
 
 def _guarded(session: CaptureSession, where: str, fn, *args):
+    t = time.perf_counter()
     try:
         fn(*args)
+        if session.writer is not None:  # the scheduler's own time in the hooks, reported in the status file
+            session.writer.counts["hook_us"] += int((time.perf_counter() - t) * 1e6)
     except Exception as e:  # noqa: BLE001 - never raise into SGLang
         try:
             session.abandon()

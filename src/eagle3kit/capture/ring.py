@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 
 import torch
@@ -67,7 +68,8 @@ class HostRing:
         return self._head if self._head + n < tail else None  # used: [tail, size) + [0, head)
 
     def alloc(self, nbytes: int, alive=lambda: True, on_wait=None, poll: float = 0.5) -> int:
-        """Offset of a new region of ``nbytes``; blocks while the ring is full, raises if ``alive()`` turns False."""
+        """Offset of a new region of ``nbytes``; blocks while the ring is full (then calls ``on_wait(seconds)``),
+        raises if ``alive()`` turns False."""
         n = max(ALIGN, -(-int(nbytes) // ALIGN) * ALIGN)
         if n > self.size:
             raise RingTooSmall(f"one forward's capture of {nbytes / 2**20:.0f} MiB does not fit the capture buffer of "
@@ -75,13 +77,15 @@ class HostRing:
                                f"--chunked-prefill-size")
         with self._cv:
             off = self._fits(n)
-            if off is None and on_wait is not None:
-                on_wait()
-            while off is None:
-                if not alive():
-                    raise RuntimeError("the capture writer process is gone: nothing can be written")
-                self._cv.wait(poll)
-                off = self._fits(n)
+            if off is None:
+                t = time.perf_counter()
+                while off is None:
+                    if not alive():
+                        raise RuntimeError("the capture writer process is gone: nothing can be written")
+                    self._cv.wait(poll)
+                    off = self._fits(n)
+                if on_wait is not None:
+                    on_wait(time.perf_counter() - t)
             self._live[off] = [off + n, False]
             self._head = off + n
         return off

@@ -101,7 +101,11 @@ class WriterProcess:
         if cuda and not self.ring.pinned and not self.ring.pin():
             self.note("ring_not_pinned")  # still correct: the copies are synchronous
         return self.ring.empty(shape, dtype, alive=self.alive,
-                               on_wait=lambda: self.counts.update(["backpressure_waits"]))
+                               on_wait=self._waited)
+
+    def _waited(self, seconds: float) -> None:
+        self.counts["backpressure_waits"] += 1
+        self.counts["backpressure_us"] += int(seconds * 1e6)
 
     def discard(self, tensors) -> None:
         self.ring.release([self.ring.offset_of(t) for t in tensors])
