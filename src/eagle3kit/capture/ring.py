@@ -118,7 +118,9 @@ class HostRing:
 
     def close(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.base)
+            unregister = getattr(torch.cuda.cudart(), "cudaHostUnregister", None)
+            if unregister is not None:  # older torch binds only cudaHostRegister: the process exit unpins
+                unregister(self.base)
             self.pinned = False
         del self.buf
         try:
