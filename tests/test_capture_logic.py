@@ -1,6 +1,7 @@
 """Pure capture logic on real captures: rid handling, splitting packed prefills, chunk reassembly, the hook's
 session (driven with the ForwardBatch fields SGLang hands it), the file format."""
 import json
+import time
 from enum import Enum
 from types import SimpleNamespace
 
@@ -236,29 +237,35 @@ def test_streamed_safetensors_is_what_safetensors_reads_and_hashes(tmp_path):
     assert not (tmp_path / "bad.safetensors").exists()
 
 
-def test_writer_bounds_memory_until_files_are_written(tmp_path):
-    """submit() blocks while more than max_inflight_bytes wait to be written, and all jobs still land."""
+def test_writer_releases_a_job_only_once_its_files_are_written(tmp_path):
+    """The job's memory (its region of the capture ring) is given back after the last file exists, not before;
+    a middle chunk waiting for the rest of its request keeps no view of the job's memory."""
     import threading
 
     from eagle3kit.capture.assemble import select_rows
     from eagle3kit.capture.writer import CaptureWriter, Job
 
-    w = CaptureWriter(tmp_path, 0, {"layer_ids": [1, 2]}, max_inflight_bytes=10_000, io_threads=1)
+    released = []
+    w = CaptureWriter(tmp_path, 0, {"layer_ids": [1, 2]}, io_threads=1,
+                      on_release=lambda job: released.append((job.tag, sorted(p.name for p in tmp_path.glob("k*")))))
     slow = threading.Event()
     original = w._write
     w._write = lambda *a: (slow.wait(5), original(*a))
-    jobs = []
-    for i in range(3):
-        sel = select_rows([make_rid(f"k{i}", 4)], [4], [0])
-        jobs.append(Job(sel, {"hidden_states": torch.randn(4, 2, 400), "token_ids": torch.arange(4)}, None,
-                        nbytes=6_400))
-    w.submit(jobs[0])
-    t = threading.Thread(target=w.submit, args=(jobs[1],))
-    t.start()
-    t.join(0.3)
-    assert t.is_alive() and w.inflight == 6_400  # the second job waits: the first is not written yet
+    # job 0: request k0 whole plus the first 2 of 4 tokens of request k1; job 1: the rest of k1
+    sel0 = select_rows([make_rid("k0", 4), make_rid("k1", 4)], [4, 2], [0, 0])
+    memory = torch.randn(6, 2, 8)
+    w.submit(Job(sel0, {"hidden_states": memory, "token_ids": torch.arange(6)}, tag=0))
+    time.sleep(0.3)
+    assert released == []  # k0 is not written yet
     slow.set()
-    t.join(5)
-    w.submit(jobs[2])
+    w.flush()
+    assert released[0][0] == 0 and "k0.rank0.safetensors" in released[0][1]
+    expected_k1 = memory[4:6].clone()
+    memory.zero_()  # the ring region is reused once released: the pending chunk must not see this
+    sel1 = select_rows([make_rid("k1", 4)], [2], [2])
+    rest = torch.randn(2, 2, 8)
+    w.submit(Job(sel1, {"hidden_states": rest, "token_ids": torch.arange(2)}, tag=1))
     st = w.flush()
-    assert st["counts"]["written"] == 3 and st["counts"]["backpressure_waits"] >= 1 and w.inflight == 0
+    assert [tag for tag, _ in released] == [0, 1] and st["counts"]["written"] == 2
+    t, _ = read_sample(tmp_path / "k1.rank0.safetensors")
+    assert torch.equal(t["hidden_states"].float(), torch.cat([expected_k1, rest]).bfloat16().float())

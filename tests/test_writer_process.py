@@ -55,7 +55,7 @@ def test_writer_process_writes_through_a_small_ring_with_back_pressure(tmp_path)
         host = w.host_empty(hs.shape, hs.dtype, cuda=False).copy_(hs)
         tok = w.host_empty(ids.shape, ids.dtype, cuda=False).copy_(ids)
         sel = select_rows([make_rid(f"k{i}", n)], [n], [0])
-        w.submit(Job(sel, {"hidden_states": host, "token_ids": tok}, None, host.nbytes))
+        w.submit(Job(sel, {"hidden_states": host, "token_ids": tok}))
         sent[f"k{i}"] = (ids, hs)
     st = w.flush()
     assert st["counts"]["written"] == 40 and st["counts"]["backpressure_waits"] >= 1

@@ -68,13 +68,20 @@ class CaptureClient:
         raise CaptureError(f"{key}: no capture marker after {timeout or self.timeout:.0f} s; server status: "
                            f"{self.status()}")
 
+    def send(self, key: str, input_ids: list[int], max_new_tokens: int = 0, **kw) -> dict:
+        """Clear an earlier capture of ``key`` and send the prompt; returns SGLang's answer."""
+        self.clear(key)
+        return self.generate(key, input_ids, max_new_tokens, **kw)
+
+    def collect(self, key: str, answer: dict) -> dict:
+        """Wait for ``key``'s capture; the marker with the server's meta_info."""
+        marker = self.wait(key)
+        marker["meta_info"] = answer.get("meta_info", {})
+        return marker
+
     def capture(self, key: str, input_ids: list[int], max_new_tokens: int = 0, **kw) -> dict:
         """Send one prompt, wait for its capture; returns the marker with the server's meta_info."""
-        self.clear(key)
-        out = self.generate(key, input_ids, max_new_tokens, **kw)
-        marker = self.wait(key)
-        marker["meta_info"] = out.get("meta_info", {})
-        return marker
+        return self.collect(key, self.send(key, input_ids, max_new_tokens, **kw))
 
     def capture_many(self, items, concurrency: int = 64, max_new_tokens: int = 0, on_done=None) -> list[dict]:
         """``items``: (key, input_ids) pairs. Markers in completion order; ``on_done(key, marker)`` per item, called
@@ -88,10 +95,9 @@ class CaptureClient:
         def failed(key, e):
             return {"status": "error", "key": key, "reason": f"{type(e).__name__}: {e}"}
 
-        def wait(key, out):
+        def wait(key, answer):
             try:
-                m = self.wait(key)
-                m["meta_info"] = out.get("meta_info", {})
+                m = self.collect(key, answer)
             except Exception as e:  # noqa: BLE001 - one failed request must not lose the others
                 m = failed(key, e)
             done.put((key, m))
@@ -99,12 +105,11 @@ class CaptureClient:
         with ThreadPoolExecutor(concurrency, thread_name_prefix="e3k-wait") as waits:
             def post(key, ids):
                 try:
-                    self.clear(key)
-                    out = self.generate(key, ids, max_new_tokens)
+                    answer = self.send(key, ids, max_new_tokens)
                 except Exception as e:  # noqa: BLE001
                     done.put((key, failed(key, e)))
                     return
-                waits.submit(wait, key, out)
+                waits.submit(wait, key, answer)
 
             with ThreadPoolExecutor(concurrency, thread_name_prefix="e3k-post") as posts:
                 n = sum(1 for key, ids in items if posts.submit(post, key, ids))

@@ -69,14 +69,13 @@ def forward_hooks(config: dict, layer_module: str = "model.layers.{}") -> list[d
 
 class _Forward:
     """Captured rows of the forward in progress."""
-    __slots__ = ("fb", "sel", "index", "states", "filled", "host", "nbytes")
+    __slots__ = ("fb", "sel", "index", "states", "filled", "host")
 
     def __init__(self, fb, sel, index):
         self.fb, self.sel, self.index = fb, sel, index
         self.states = None  # [n_rows, n_slots, H], the file's layout, filled layer by layer
         self.filled: set[int] = set()
         self.host: list = []  # host buffers taken for this forward (given back if it is abandoned)
-        self.nbytes = 0
 
 
 class CaptureSession:
@@ -155,7 +154,6 @@ class CaptureSession:
 
     def _copy(self, st: _Forward, rows: torch.Tensor) -> torch.Tensor:
         """Host copy of ``rows`` (already selected); asynchronous on a side stream from the GPU."""
-        st.nbytes += rows.numel() * rows.element_size()
         dst = self._host(st, rows.shape, rows.dtype, rows.is_cuda)
         if not rows.is_cuda:
             return dst.copy_(rows)
@@ -207,11 +205,7 @@ class CaptureSession:
         if missing:
             raise RuntimeError(f"no output captured from decoder layers {missing}: their hooks did not fire "
                                f"(module names differ from the layer_module template?)")
-        states = st.states
-        if states.is_cuda:
-            states = self._copy(st, states)
-        else:
-            st.nbytes += states.numel() * states.element_size()
+        states = self._copy(st, st.states) if st.states.is_cuda else st.states
         tensors = {"hidden_states": states, "token_ids": self._copy(st, self._rows(st, args[0]))}
         if self.config["final_normed"]:
             tensors["final_normed"] = self._copy(st, self._rows(st, args[1]))
@@ -220,7 +214,7 @@ class CaptureSession:
             event = torch.cuda.Event()
             event.record(self._stream)
         self.cur = None  # the job owns the host buffers now
-        self.writer.submit(Job(st.sel, tensors, event, st.nbytes))
+        self.writer.submit(Job(st.sel, tensors, event))
 
 
 def _session(config: dict) -> CaptureSession:

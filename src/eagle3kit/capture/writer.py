@@ -3,8 +3,9 @@ files atomically, and keeps ``_status.rank<r>.json`` up to date. Nothing here ra
 counted and written as markers. Inside SGLang it runs in its own process (``writer_process.py``), fed through a
 shared-memory ring, so its work never competes with the scheduler for the GIL; in-process it serves tests and tools.
 
-Memory is bounded: ``submit`` blocks while more than ``max_inflight_bytes`` of copies wait to be written
-(back-pressure on the server rather than an unbounded queue or lost samples).
+A job is released (``on_release``) once its last file is written: the writer process then gives its region of the
+capture ring back, and the ring's size is the one bound on memory in flight (back-pressure on the server rather
+than an unbounded queue or lost samples).
 """
 from __future__ import annotations
 
@@ -29,25 +30,22 @@ class Job:
     """One forward's captured rows: tensors hold only the selected rows, in span order."""
     selection: Selection
     tensors: dict  # name -> CPU tensor [n_rows, ...]; "hidden_states" is [n_rows, n_slots, H]
-    event: object | None  # CUDA event recorded after the copies (None on the CPU)
-    nbytes: int
+    event: object | None = None  # CUDA event after the copies: the writer process's dispatcher waits on it
     tag: object = None  # the writer process's job id
 
 
 class CaptureWriter:
     def __init__(self, out_dir, rank: int, metadata: dict, storage: str = "bf16", io_threads: int = 4,
-                 max_inflight_bytes: int = 2 << 30, max_pending: int = 4096, on_release=None):
+                 max_pending: int = 4096, on_release=None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.metadata, self.storage = rank, metadata, storage
-        self.max_inflight = max_inflight_bytes
         self.reassembler = Reassembler(max_pending)
         self.counts: Counter = Counter()
         self.ignored: Counter = Counter()
         self.last_error = ""
         self.external: dict = {}  # counts, ignored rows and last error reported by the scheduler side
         self.on_release = on_release  # called with each job once its files are written
-        self.inflight = 0
         self._cv = threading.Condition()
         self._q: queue.Queue = queue.Queue()
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="e3k-io")
@@ -56,13 +54,7 @@ class CaptureWriter:
         self._thread = threading.Thread(target=self._loop, name="e3k-writer", daemon=True)
         self._thread.start()
 
-    # -- called from the forward (scheduler thread) --------------------------------------------------------
     def submit(self, job: Job) -> None:
-        with self._cv:
-            if self.inflight + job.nbytes > self.max_inflight and self.inflight > 0:
-                self.counts["backpressure_waits"] += 1
-                self._cv.wait_for(lambda: self.inflight + job.nbytes <= self.max_inflight or self.inflight == 0)
-            self.inflight += job.nbytes
         self._q.put(job)
 
     def note(self, what: str, n: int = 1) -> None:
@@ -91,19 +83,14 @@ class CaptureWriter:
             self._status()
 
     def _release(self, job: Job, writes: list) -> None:
-        """The job's bytes count as in flight until its last file is written (bounded memory, writes included)."""
+        """The job's memory is held until its last file is written (bounded memory, writes included)."""
         with self._cv:
             writes[0] -= 1
             done = writes[0] == 0
-            if done:
-                self.inflight -= job.nbytes
-                self._cv.notify_all()
         if done and self.on_release is not None:
             self.on_release(job)
 
     def _handle(self, job: Job, writes: list):
-        if job.event is not None:
-            job.event.synchronize()
         t = job.tensors
         row = 0
         for span in job.selection.spans:
@@ -157,7 +144,7 @@ class CaptureWriter:
         ext = self.external
         return {"rank": self.rank, "counts": dict(self.counts + Counter(ext.get("counts", {}))),
                 "ignored_rows_by_kind": dict(self.ignored + Counter(ext.get("ignored", {}))),
-                "pending_partial": len(self.reassembler.pending), "inflight_bytes": self.inflight,
+                "pending_partial": len(self.reassembler.pending), "ring_used_bytes": ext.get("ring_used_bytes", 0),
                 "queue": self._q.qsize(), "last_error": self.last_error or ext.get("last_error", ""),
                 "time": time.time()}
 

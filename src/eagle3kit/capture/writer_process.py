@@ -87,6 +87,7 @@ class WriterProcess:
         self._flushed: dict[int, threading.Event] = {}
         self._closed = False
         self._dead = False
+        self._pin_tried = False
         self._sent_counts = None
         threading.Thread(target=self._dispatch, name="e3k-dispatch", daemon=True).start()
         threading.Thread(target=self._acknowledge, name="e3k-acks", daemon=True).start()
@@ -98,8 +99,10 @@ class WriterProcess:
     def host_empty(self, shape, dtype, cuda: bool) -> torch.Tensor:
         if self._dead:
             raise RuntimeError(self.last_error)
-        if cuda and not self.ring.pinned and not self.ring.pin():
-            self.note("ring_not_pinned")  # still correct: the copies are synchronous
+        if cuda and not self._pin_tried:  # once: a failed registration is not retried on every copy
+            self._pin_tried = True
+            if not self.ring.pin():
+                self.note("ring_not_pinned")  # still correct: the copies are synchronous
         return self.ring.empty(shape, dtype, alive=self.alive,
                                on_wait=self._waited)
 
@@ -126,7 +129,7 @@ class WriterProcess:
             self._next += 1
             jid = self._next
             self._held[jid] = offsets
-        self._q.put(("job", jid, job.event, {"selection": job.selection, "tensors": desc, "nbytes": job.nbytes}))
+        self._q.put(("job", jid, job.event, {"selection": job.selection, "tensors": desc}))
 
     def _describe(self, x: torch.Tensor):
         return self.ring.offset_of(x), _dtype_name(x.dtype), list(x.shape)
@@ -163,7 +166,8 @@ class WriterProcess:
     def _parent_status(self) -> dict:
         while True:
             try:  # the scheduler thread may add a key meanwhile
-                return {"counts": dict(self.counts), "ignored": dict(self.ignored), "last_error": self.last_error}
+                return {"counts": dict(self.counts), "ignored": dict(self.ignored), "last_error": self.last_error,
+                        "ring_used_bytes": self.ring.used}
             except RuntimeError:
                 continue
 
@@ -254,8 +258,7 @@ def main(argv=None) -> int:
                 pass  # the server is gone: the files still get written
 
     writer = CaptureWriter(spec["out_dir"], spec["rank"], spec["metadata"], storage=spec["storage"],
-                           io_threads=spec["io_threads"], max_inflight_bytes=ring.size,
-                           max_pending=spec["max_pending"],
+                           io_threads=spec["io_threads"], max_pending=spec["max_pending"],
                            on_release=lambda job: ack({"kind": "release", "id": job.tag}))
     jobs = os.fdopen(spec["job_fd"], "rb")
     while True:
@@ -266,7 +269,7 @@ def main(argv=None) -> int:
         if msg["kind"] == "job":
             tensors = {name: ring.view(off, shape, getattr(torch, dt)) for name, (off, dt, shape) in
                        msg["tensors"].items()}
-            writer.submit(Job(msg["selection"], tensors, None, msg["nbytes"], tag=msg["id"]))
+            writer.submit(Job(msg["selection"], tensors, tag=msg["id"]))
         elif msg["kind"] == "flush":
             writer.flush()
             ack({"kind": "flushed", "id": msg["id"]})
