@@ -7,7 +7,9 @@
 Ratios b/a (target >= 0.9) and b/c (target >= 10), bytes per token per storage. The capture servers' status
 counts say where time went: ``hook_us`` (the scheduler's time inside the hooks), ``backpressure_us`` (forwards
 waiting for the writer). Every request carries a unique
-``extra_key``, so repeated passes over the same prompts never hit the prefix cache.
+``extra_key``, so repeated passes over the same prompts never hit the prefix cache. With py-spy installed, the
+last-concurrency passes are profiled (``profile-<pass>-<process>.summary.txt``: scheduler, tokenizer manager, the
+capture writer process, this client).
 ``--engine transformers`` measures the CPU reference engine instead (tokens/s).
 
 usage: python benchmarks/extract_throughput.py --out DIR [--samples 2000] [--server-args ...]
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -39,6 +42,11 @@ def timed_capture(client, prompts, concurrency):
     return sum(map(len, prompts.values())) / dt, dt, bad, markers
 
 
+def scheduler_counts(client) -> dict:
+    time.sleep(1.2)  # the writer process rewrites its status file at most every 0.5 s
+    return client.status().get("rank0", {}).get("counts", {})
+
+
 def plain_prefill(url, prompts, concurrency, max_new_tokens=0):
     import requests
 
@@ -54,6 +62,21 @@ def plain_prefill(url, prompts, concurrency, max_new_tokens=0):
     with ThreadPoolExecutor(concurrency) as ex:
         list(ex.map(one, prompts.items()))
     return sum(map(len, prompts.values())) / (time.time() - t)
+
+
+def spy_on(tag, server, out, seconds, client=False):
+    """Sampling profiles (benchmarks/pyspy.py) of a server's processes during one pass; stop() them after it."""
+    from pyspy import Spy, find
+
+    if seconds <= 0:
+        return []
+    sched = find(server.proc.pid, "scheduler")
+    pids = {"scheduler": sched, "tokenizer": server.proc.pid}
+    if server.capture is not None and sched is not None:
+        pids["writer"] = find(sched, "eagle3kit.capture.writer_process")
+    if client:
+        pids["client"] = os.getpid()
+    return [Spy(pid, out / f"profile-{tag}-{name}.txt", seconds).start() for name, pid in pids.items()]
 
 
 def gpu(a):
@@ -76,12 +99,13 @@ def gpu(a):
     extra = list(a.server_args)
     # one GPU, three servers started in turn (each --mem-fraction-static counts what the earlier ones hold)
     mem = lambda f: ["--mem-fraction-static", str(f)]  # noqa: E731
+    env = {"EAGLE3KIT_ALLOW_PTRACE": "1"}  # py-spy may attach to the servers' processes (benchmarks/pyspy.py)
     servers = {"plain": SGLangServer(path, port=31000, extra_args=extra + ["--disable-cuda-graph"] + mem(0.15),
-                                     log_path=out / "bench-plain.log"),
+                                     log_path=out / "bench-plain.log", env=env),
                "bf16": capture_server(path, work / "bf16", aux, port=31001, extra_args=extra + mem(0.4),
-                                      log_path=out / "bench-capture-bf16.log"),
+                                      log_path=out / "bench-capture-bf16.log", env=env),
                "fp8": capture_server(path, work / "fp8", aux, port=31002, storage="fp8", extra_args=extra + mem(0.65),
-                                     log_path=out / "bench-capture-fp8.log")}
+                                     log_path=out / "bench-capture-fp8.log", env=env)}
     res = {"bench_prompts": len(prompts), "bench_tokens": n_tokens}
     try:
         for s in servers.values():
@@ -89,7 +113,10 @@ def gpu(a):
         warm = dict(list(prompts.items())[:32])
         plain_prefill(servers["plain"].url, warm, 32)
         for c in a.concurrency:
+            spies = spy_on("plain", servers["plain"], out, a.profile_seconds) if c == a.concurrency[-1] else []
             res[f"plain_conc{c}_tokens_per_s"] = plain_prefill(servers["plain"].url, prompts, c)
+            for sp in spies:
+                sp.stop()
         best_c = max(a.concurrency, key=lambda c: res[f"plain_conc{c}_tokens_per_s"])
         res["plain_prefill_tokens_per_s"] = res[f"plain_conc{best_c}_tokens_per_s"]
         # the capture server answering requests it does not capture: the cost of the hooks being there at all
@@ -100,7 +127,15 @@ def gpu(a):
             client = CaptureClient(servers[storage].url, work / storage)
             client.capture_many(((f"warm{k}", v) for k, v in warm.items()), 32)
             for c in a.concurrency:
+                last = c == a.concurrency[-1]
+                spies = spy_on(storage, servers[storage], out, a.profile_seconds, client=True) if last else []
+                before = scheduler_counts(client)
                 tps, dt, bad, markers = timed_capture(client, prompts, c)
+                for sp in spies:
+                    sp.stop()
+                after = scheduler_counts(client)
+                for k in ("hook_us", "backpressure_us"):  # share of the pass's wall time the scheduler spent there
+                    res[f"capture_{storage}_conc{c}_{k[:-3]}_share"] = (after.get(k, 0) - before.get(k, 0)) / 1e6 / dt
                 res[f"capture_{storage}_conc{c}_tokens_per_s"] = tps
                 res[f"capture_{storage}_conc{c}_failed"] = len(bad)
                 res[f"capture_{storage}_conc{c}_seconds"] = dt
@@ -155,9 +190,16 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     p.add_argument("--out", required=True, help="folder for metrics.json and logs")
     p.add_argument("--work", default="/tmp/eagle3kit-bench", help="scratch folder for the captures")
+    p.add_argument("--profile-seconds", type=float, default=8,
+                   help="py-spy profiles of the last-concurrency passes, seconds (0: none)")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
     a = p.parse_args(argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/pyspy.py
+    os.environ["EAGLE3KIT_ALLOW_PTRACE"] = "1"
+    from eagle3kit.capture.writer_process import allow_profiler
+
+    allow_profiler()  # py-spy, our child, may attach to this client too
     res = gpu(a) if a.engine == "sglang" else cpu(a)
     width = max(map(len, res))
     for k, v in res.items():

@@ -28,7 +28,7 @@ from eagle3kit.capture.assemble import gather_index, select_rows
 from eagle3kit.capture.format import capture_metadata
 from eagle3kit.capture.rid import RID_PREFIX
 from eagle3kit.capture.writer import Job
-from eagle3kit.capture.writer_process import WriterProcess
+from eagle3kit.capture.writer_process import WriterProcess, allow_profiler
 
 log = logging.getLogger("eagle3kit.capture")
 FACTORY = "eagle3kit.capture.hook"
@@ -227,6 +227,7 @@ def _session(config: dict) -> CaptureSession:
             rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         except Exception:  # noqa: BLE001 - not initialised: a single process
             rank, size = 0, 1
+        allow_profiler()
         _SESSIONS[key] = CaptureSession(config, rank, size, ForwardMode.EXTEND, ForwardBatch)
         log.info("eagle3kit capture: rank %d/%d active=%s layers=%s -> %s", rank, size,
                  _SESSIONS[key].active, slot_layers(config), key)
