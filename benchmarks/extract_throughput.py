@@ -2,13 +2,14 @@
 
   (a) plain SGLang prefill, no capture (max_new_tokens 0, many requests in flight); also the capture server
       answering requests it does not capture (the cost of the hooks alone)
-  (b) eagle3kit capture at its best concurrency (bf16 and fp8 storage)
+  (b) eagle3kit capture at its best concurrency (bf16 and fp8 storage, ``--storages``)
   (c) the serial method used before: one request in flight, max_new_tokens 1
 Ratios b/a (target >= 0.9) and b/c (target >= 10), bytes per token per storage. Every pass runs ``--rounds``
 times, in turn with the others, and reports its best (``*_rounds`` lists each round). The capture servers' status
 counts say where time went: ``hook_us`` (the scheduler's time inside the hooks), ``backpressure_us`` (forwards
 waiting for the writer). Every request carries a unique ``extra_key``, so repeated passes over the same prompts
-never hit the prefix cache. With py-spy installed, the last round's last-concurrency passes are profiled
+never hit the prefix cache, and every pass starts after the previous pass's captures are removed and all dirty pages
+are written back (not timed). With py-spy installed, the last round's last-concurrency passes are profiled
 (``profile-<pass>-<process>.summary.txt``: scheduler, tokenizer manager, the capture writer process, this client).
 ``--engine transformers`` measures the CPU reference engine instead (tokens/s).
 
@@ -40,6 +41,37 @@ def timed_capture(client, prompts, concurrency):
     dt = time.time() - t
     bad = [m for m in markers if m.get("status") != "ok"]
     return sum(map(len, prompts.values())) / dt, dt, bad, markers
+
+
+def reencoded_bytes_per_token(capture_dir, storage: str, n: int = 50) -> float:
+    """Bytes per token of ``storage`` files, measured by writing ``n`` captured samples again in that storage
+    (the writer's own encode and file writer) when this run served no server with it."""
+    import tempfile
+
+    from eagle3kit.capture.format import read_sample, write_sample
+
+    files = sorted(Path(capture_dir).glob("*.safetensors"))[:n]
+    total = tokens = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, f in enumerate(files):
+            tensors, meta = read_sample(f)
+            m = write_sample(Path(tmp), f"s{i}", 0, tensors, {}, storage)
+            total, tokens = total + m["bytes"], tokens + m["n_tokens"]
+    return total / tokens
+
+
+def fresh_start(*capture_dirs) -> None:
+    """Before a timed pass (not timed): remove the previous pass's captures and write back every dirty page, so
+    that no pass pays for deleting or flushing what an earlier one wrote; every pass starts from the same state."""
+    for d in capture_dirs:
+        for p in Path(d).iterdir():
+            if not p.name.startswith("_") and p.suffix in (".safetensors", ".json"):
+                p.unlink()
+    os.sync()
+
+
+def report(name: str, value) -> None:
+    print(f"  {name}: {value:,.0f}" if isinstance(value, float) else f"  {name}: {value}", flush=True)
 
 
 def scheduler_counts(client) -> dict:
@@ -106,14 +138,15 @@ def gpu(a):
                                       log_path=out / "bench-capture-bf16.log", env=env),
                "fp8": capture_server(path, work / "fp8", aux, port=31002, storage="fp8", extra_args=extra + mem(0.65),
                                      log_path=out / "bench-capture-fp8.log", env=env)}
+    servers = {k: v for k, v in servers.items() if k == "plain" or k in a.storages}
     res = {"bench_prompts": len(prompts), "bench_tokens": n_tokens}
     try:
         for s in servers.values():
             s.start().wait_healthy()
         warm = dict(list(prompts.items())[:32])
         plain_prefill(servers["plain"].url, warm, 32)
-        plain_prefill(servers["bf16"].url, warm, 32)
-        clients = {st: CaptureClient(servers[st].url, work / st) for st in ("bf16", "fp8")}
+        plain_prefill(servers[a.storages[0]].url, warm, 32)
+        clients = {st: CaptureClient(servers[st].url, work / st) for st in a.storages}
         for client in clients.values():
             client.capture_many(((f"warm{k}", v) for k, v in warm.items()), 32)
         runs: dict[str, list] = {}  # pass -> tokens/s of each round
@@ -122,19 +155,25 @@ def gpu(a):
         for rnd in range(a.rounds):
             profile = a.profile_seconds if rnd == a.rounds - 1 else 0
             for c in a.concurrency:
+                fresh_start()
                 spies = spy_on("plain", servers["plain"], out, profile) if c == a.concurrency[-1] else []
                 runs.setdefault(f"plain_conc{c}", []).append(plain_prefill(servers["plain"].url, prompts, c))
                 for sp in spies:
                     sp.stop()
+                report(f"round {rnd} plain conc{c}", runs[f"plain_conc{c}"][-1])
             # the capture server answering requests it does not capture: the cost of the hooks being there at all
-            runs.setdefault("hooked_no_capture", []).append(plain_prefill(servers["bf16"].url, prompts,
+            fresh_start()
+            runs.setdefault("hooked_no_capture", []).append(plain_prefill(servers[a.storages[0]].url, prompts,
                                                                           a.concurrency[0]))
+            report(f"round {rnd} hooked_no_capture conc{a.concurrency[0]}", runs["hooked_no_capture"][-1])
             for storage, client in clients.items():
                 for c in a.concurrency:
                     last = c == a.concurrency[-1]
                     spies = spy_on(storage, servers[storage], out, profile, client=True) if last else []
                     before = scheduler_counts(client)
+                    fresh_start(work / storage)
                     tps, dt, bad, markers = timed_capture(client, prompts, c)
+                    report(f"round {rnd} capture {storage} conc{c}", tps)
                     for sp in spies:
                         sp.stop()
                     after = scheduler_counts(client)
@@ -159,12 +198,17 @@ def gpu(a):
     finally:
         for s in servers.values():
             s.stop()
-    res["extract_tokens_per_s"] = best["bf16"]  # the default storage; fp8 beside it
-    res["ratio_vs_plain"] = best["bf16"] / res["plain_prefill_tokens_per_s"]
-    res["ratio_vs_serial"] = best["bf16"] / res["serial_tokens_per_s"]
-    res["extract_fp8_tokens_per_s"] = best["fp8"]
-    res["ratio_vs_plain_fp8"] = best["fp8"] / res["plain_prefill_tokens_per_s"]
-    res["ratio_vs_serial_fp8"] = best["fp8"] / res["serial_tokens_per_s"]
+    for storage in ("bf16", "fp8"):
+        if f"bytes_per_token_{storage}" not in res:  # storage not served in this run: its files' size, measured
+            res[f"bytes_per_token_{storage}"] = reencoded_bytes_per_token(work / a.storages[0], storage)
+    res["extract_tokens_per_s"] = best[a.storages[0]]  # bf16, the default storage, unless left out
+    res["extract_storage"] = a.storages[0]
+    res["ratio_vs_plain"] = best[a.storages[0]] / res["plain_prefill_tokens_per_s"]
+    res["ratio_vs_serial"] = best[a.storages[0]] / res["serial_tokens_per_s"]
+    for storage in a.storages[1:]:
+        res[f"extract_{storage}_tokens_per_s"] = best[storage]
+        res[f"ratio_vs_plain_{storage}"] = best[storage] / res["plain_prefill_tokens_per_s"]
+        res[f"ratio_vs_serial_{storage}"] = best[storage] / res["serial_tokens_per_s"]
     res["bytes_per_token_best"] = min(res["bytes_per_token_bf16"], res["bytes_per_token_fp8"])
     res["ratio_hooked_no_capture_vs_plain"] = res["hooked_no_capture_tokens_per_s"] / res["plain_prefill_tokens_per_s"]
     res["bytes_ratio_fp8_vs_bf16"] = res["bytes_per_token_fp8"] / res["bytes_per_token_bf16"]
@@ -201,6 +245,9 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     p.add_argument("--out", required=True, help="folder for metrics.json and logs")
     p.add_argument("--work", default="/tmp/eagle3kit-bench", help="scratch folder for the captures")
+    p.add_argument("--storages", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"],
+                   help="capture servers to run (the first is extract_tokens_per_s); a storage left out has its bytes "
+                        "per token measured on re-encoded captures")
     p.add_argument("--rounds", type=int, default=2, help="rounds of all passes in turn; each pass reports its best")
     p.add_argument("--profile-seconds", type=float, default=8,
                    help="py-spy profiles of the last round's last-concurrency passes, seconds (0: none)")

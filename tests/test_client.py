@@ -6,8 +6,37 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from eagle3kit.capture.client import CaptureClient
-from eagle3kit.capture.format import write_marker
+from eagle3kit.capture.format import JournalTail, atomic_write, journal_path, sample_name, write_marker
 from eagle3kit.capture.rid import parse_rid
+
+
+def stand_in_server(mark, delay: float, answered=None):
+    """An HTTP endpoint answering /generate like SGLang, and calling ``mark(key)`` ``delay`` seconds later (the
+    writer); the key "bad" gets SGLang's 400."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            key, n = parse_rid(body["rid"])
+            if key == "bad":
+                self.send_response(400)
+                self.end_headers()
+                self.wfile.write(b'{"error": "Either text, input_ids or input_embeds should be provided."}')
+                return
+            assert body["extra_key"] == body["rid"] and len(body["input_ids"]) == n
+            if answered:
+                answered()
+            threading.Timer(delay, mark, args=(key,)).start()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"meta_info": {"cached_tokens": 0}}).encode())
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
 
 
 def test_markers_are_awaited_beside_the_requests_in_flight(tmp_path):
@@ -19,30 +48,12 @@ def test_markers_are_awaited_beside_the_requests_in_flight(tmp_path):
         with lock:
             state["marked"] += 1
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            key, n = parse_rid(body["rid"])
-            if key == "bad":
-                self.send_response(400)
-                self.end_headers()
-                self.wfile.write(b'{"error": "Either text, input_ids or input_embeds should be provided."}')
-                return
-            assert body["extra_key"] == body["rid"] and len(body["input_ids"]) == n
-            with lock:
-                state["answered"] += 1
-                state["max_unmarked"] = max(state["max_unmarked"], state["answered"] - state["marked"])
-            threading.Timer(0.5, mark, args=(key,)).start()  # a writer far slower than the server
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(json.dumps({"meta_info": {"cached_tokens": 0}}).encode())
+    def answered():
+        with lock:
+            state["answered"] += 1
+            state["max_unmarked"] = max(state["max_unmarked"], state["answered"] - state["marked"])
 
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = stand_in_server(mark, 0.5, answered)  # a writer far slower than the server
     try:
         client = CaptureClient(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=10)
         items = [(f"k{i}", list(range(3 + i))) for i in range(8)] + [("bad", [1, 2])]
@@ -60,3 +71,59 @@ def test_markers_are_awaited_beside_the_requests_in_flight(tmp_path):
     # two slots, yet more than two requests were answered before their markers: slots freed on the answer
     assert state["max_unmarked"] > 2
     assert took < 8 * 0.5 / 2  # waiting on markers in the slots would take >= 2 s
+
+
+def test_markers_missing_from_the_journal_are_found_as_files(tmp_path):
+    """A writer that keeps no journal (an older one) still finishes every capture, through the slow path."""
+    def mark(key):
+        atomic_write(tmp_path / f"{sample_name(key, 0)}.json", json.dumps({"status": "ok", "key": key}).encode())
+
+    server = stand_in_server(mark, 0.05)
+    try:
+        client = CaptureClient(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=10)
+        markers = client.capture_many([(f"k{i}", [1, 2, 3]) for i in range(4)], concurrency=4)
+    finally:
+        server.shutdown()
+    assert sorted(m["key"] for m in markers) == ["k0", "k1", "k2", "k3"]
+    assert all(m["status"] == "ok" for m in markers) and not journal_path(tmp_path, 0).exists()
+
+
+def test_a_capture_that_never_finishes_is_an_error_after_the_timeout(tmp_path):
+    server = stand_in_server(lambda key: None, 0.0)
+    try:
+        client = CaptureClient(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=1.5)
+        (m,) = client.capture_many([("lost", [1, 2])], concurrency=1)
+    finally:
+        server.shutdown()
+    assert m["status"] == "error" and "no capture marker" in m["reason"]
+
+
+def test_journal_tail_reads_new_whole_lines_only(tmp_path):
+    write_marker(tmp_path, "old", 0, {"status": "ok", "key": "old"})
+    tail = JournalTail(tmp_path, 0)
+    assert tail.read() == []  # lines before the tail was opened are not read
+    write_marker(tmp_path, "a", 0, {"status": "ok", "key": "a"})
+    with open(journal_path(tmp_path, 0), "ab") as f:
+        f.write(b'{"status": "ok", "ke')  # a line being written
+    assert [m["key"] for m in tail.read()] == ["a"]
+    with open(journal_path(tmp_path, 0), "ab") as f:
+        f.write(b'y": "b"}\n')
+    assert [m["key"] for m in tail.read()] == ["b"]
+    journal_path(tmp_path, 0).unlink()  # removed and started again (longer than before): read from its start
+    for k in ("c", "d", "e", "f"):
+        write_marker(tmp_path, k, 0, {"status": "ok", "key": k})
+    assert [m["key"] for m in tail.read()] == ["c", "d", "e", "f"]
+
+
+def test_journal_lines_never_interleave(tmp_path, threads=8):
+    def many(t):
+        for i in range(50):
+            write_marker(tmp_path, f"t{t}-{i}", 0, {"status": "ok", "key": f"t{t}-{i}", "pad": "x" * 3000})
+    ts = [threading.Thread(target=many, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    lines = journal_path(tmp_path, 0).read_bytes().split(b"\n")[:-1]
+    expected = sorted(f"t{t}-{i}" for t in range(threads) for i in range(50))
+    assert sorted(json.loads(x)["key"] for x in lines) == expected

@@ -3,13 +3,12 @@ many requests in flight, and knows a capture is finished when its marker file ap
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eagle3kit.capture.format import read_marker, sample_name
+from eagle3kit.capture.format import JournalTail, read_marker, sample_name
 from eagle3kit.capture.rid import RID_PREFIX, make_rid
 
 
@@ -83,42 +82,73 @@ class CaptureClient:
         """Send one prompt, wait for its capture; returns the marker with the server's meta_info."""
         return self.collect(key, self.send(key, input_ids, max_new_tokens, **kw))
 
-    def capture_many(self, items, concurrency: int = 64, max_new_tokens: int = 0, on_done=None) -> list[dict]:
+    def capture_many(self, items, concurrency: int = 64, max_new_tokens: int = 0, on_done=None,
+                     poll: float = 0.002) -> list[dict]:
         """``items``: (key, input_ids) pairs. Markers in completion order; ``on_done(key, marker)`` per item, called
         from this thread.
 
-        ``concurrency`` requests stay in flight at the server: a request's slot is freed as soon as SGLang answers,
-        and its marker is awaited beside it, so the writer's latency never starves the server (its memory is
-        bounded on the server side, by the capture ring's back-pressure)."""
-        done: queue.Queue = queue.Queue()
+        ``concurrency`` requests stay in flight at the server: a request's slot is freed as soon as SGLang answers
+        (the writer's latency never starves the server; its memory is bounded on the server side, by the capture
+        ring's back-pressure). This thread clears earlier captures before sending and collects the markers from
+        the rank's journal (``format.JournalTail``): one small read per ``poll`` seconds for all requests, so
+        the request threads do nothing but HTTP. A marker missing from the journal (a writer that keeps none) is
+        looked for as a file after a second; none after ``timeout`` seconds is an error."""
+        tail = JournalTail(self.capture_dir, self.rank)
+        lock = threading.Lock()
+        answered: dict[str, tuple[float, dict]] = {}  # key -> (when SGLang answered, its answer)
+        failures: list[dict] = []
+        journal: dict[str, dict] = {}  # markers read from the journal, not yet matched with an answer
+        results: list[dict] = []
 
-        def failed(key, e):
-            return {"status": "error", "key": key, "reason": f"{type(e).__name__}: {e}"}
-
-        def wait(key, answer):
+        def post(key, ids):
             try:
-                m = self.collect(key, answer)
+                answer = self.generate(key, ids, max_new_tokens)
             except Exception as e:  # noqa: BLE001 - one failed request must not lose the others
-                m = failed(key, e)
-            done.put((key, m))
+                with lock:
+                    failures.append({"status": "error", "key": key, "reason": f"{type(e).__name__}: {e}"})
+                return
+            with lock:
+                answered[key] = (time.time(), answer)
 
-        with ThreadPoolExecutor(concurrency, thread_name_prefix="e3k-wait") as waits:
-            def post(key, ids):
-                try:
-                    answer = self.send(key, ids, max_new_tokens)
-                except Exception as e:  # noqa: BLE001
-                    done.put((key, failed(key, e)))
-                    return
-                waits.submit(wait, key, answer)
+        def finish(key, marker):
+            results.append(marker)
+            if on_done:
+                on_done(key, marker)
 
-            with ThreadPoolExecutor(concurrency, thread_name_prefix="e3k-post") as posts:
-                n = sum(1 for key, ids in items if posts.submit(post, key, ids))
-                results = []
-                for _ in range(n):
-                    key, m = done.get()
-                    results.append(m)
-                    if on_done:
-                        on_done(key, m)
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="e3k-post") as posts:
+            keys = set()
+            for key, ids in items:
+                self.clear(key)  # here, not in the request threads: a slot only ever waits on the server
+                keys.add(key)
+                posts.submit(post, key, ids)
+            checked = time.time()
+            while len(results) < len(keys):
+                for m in tail.read():
+                    if m.get("key") in keys:
+                        journal[m["key"]] = m
+                with lock:
+                    failed, failures[:] = failures[:], []
+                    ready = [(k, answered.pop(k)[1]) for k in list(journal) if k in answered]
+                for m in failed:
+                    finish(m["key"], m)
+                for key, answer in ready:
+                    finish(key, {**journal.pop(key), "meta_info": answer.get("meta_info", {})})
+                now = time.time()
+                if now - checked > 1.0:  # the slow path: markers the journal did not list
+                    checked = now
+                    with lock:
+                        late = [(k, t, a) for k, (t, a) in answered.items() if now - t > 1.0]
+                    for key, t, answer in late:
+                        m = read_marker(self.capture_dir, key, self.rank)
+                        if m is None and now - t > self.timeout:
+                            m = {"status": "error", "key": key, "reason": f"no capture marker {self.timeout:.0f} s "
+                                 f"after SGLang answered; server status: {self.status()}"}
+                        if m is not None:
+                            with lock:
+                                answered.pop(key, None)
+                            finish(key, {**m, "meta_info": answer.get("meta_info", {})})
+                if not (failed or ready):
+                    time.sleep(poll)
         return results
 
     def status(self) -> dict:

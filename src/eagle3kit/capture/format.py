@@ -11,6 +11,9 @@
     the marker, written last: {"status": "ok", "sha256", "bytes", "n_tokens", ...} or
     {"status": "incomplete" | "error", "reason": ...}. Its presence means the request is finished.
 Both are written under a temporary name and renamed, so a reader never sees half a file.
+``_done.rank<r>.jsonl``
+    the journal: each marker again, one line each, appended once the marker exists. A client waiting for many
+    captures reads the new lines of one file instead of looking for each marker (``JournalTail``).
 """
 from __future__ import annotations
 
@@ -145,7 +148,46 @@ def write_sample(out_dir: Path, key: str, rank: int, tensors: dict, metadata: di
 
 
 def write_marker(out_dir: Path, key: str, rank: int, marker: dict) -> None:
-    atomic_write(Path(out_dir) / f"{sample_name(key, rank)}.json", json.dumps(marker).encode())
+    """The marker, then its journal line (one ``write`` to a file opened for appending: whole lines, never
+    interleaved with another thread's or process's)."""
+    data = json.dumps(marker).encode()
+    atomic_write(Path(out_dir) / f"{sample_name(key, rank)}.json", data)
+    fd = os.open(journal_path(out_dir, rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data + b"\n")
+    finally:
+        os.close(fd)
+
+
+def journal_path(out_dir, rank: int) -> Path:
+    return Path(out_dir) / f"_done.rank{rank}.jsonl"
+
+
+class JournalTail:
+    """The markers appended to a rank's journal since this tail was opened (earlier lines are not read)."""
+
+    def __init__(self, out_dir, rank: int = 0):
+        self.path = journal_path(out_dir, rank)
+        try:
+            st = self.path.stat()
+            self.offset, self.inode = st.st_size, st.st_ino
+        except FileNotFoundError:
+            self.offset, self.inode = 0, None
+        self._rest = b""
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self.inode or st.st_size < self.offset:  # a new journal: read it from its start
+                    self.offset, self.inode, self._rest = 0, st.st_ino, b""
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self._rest = (self._rest + data).split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
 
 
 def read_marker(out_dir: Path, key: str, rank: int = 0) -> dict | None:
