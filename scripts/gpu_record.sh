@@ -2,6 +2,7 @@
 # Runs on the lent GPU machine (after ../shared/gpu's install): records GPU runs into $OUT/record-<phase>.tgz
 # (executed notebooks, metrics, logs; no tensors), one archive per phase as soon as it ends.
 # usage: bash scripts/gpu_record.sh PHASE[,PHASE...] [runner or benchmark args]   phases: pipeline bench tests
+# E3K_TIMEOUT=<seconds>: interrupt the benchmark then (its per-pass lines are still recorded)
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 EAGLE3KIT_CACHE=/root/e3k-cache TOKENIZERS_PARALLELISM=false
@@ -24,7 +25,7 @@ for what in ${1//,/ }; do
   python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$rec/gpu.txt" 2>&1
   case "$what" in
     pipeline) python3 -m eagle3kit.cli run params/gpu-smollm2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
-    bench) python3 benchmarks/extract_throughput.py --out "$rec" "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"; rc=${PIPESTATUS[0]} ;;
+    bench) ${E3K_TIMEOUT:+timeout -s INT $E3K_TIMEOUT} python3 benchmarks/extract_throughput.py --out "$rec" "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"; rc=${PIPESTATUS[0]} ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
   esac
   echo "exit $rc" >> "$rec/gpu.txt"; [ "$rc" = 0 ] || final=$rc
