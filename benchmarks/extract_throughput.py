@@ -169,24 +169,28 @@ def gpu(a):
             for storage, client in clients.items():
                 for c in a.concurrency:
                     last = c == a.concurrency[-1]
-                    spies = spy_on(storage, servers[storage], out, profile, client=True) if last else []
                     before = scheduler_counts(client)
                     fresh_start(work / storage)
+                    spies = spy_on(storage, servers[storage], out, profile, client=True) if last else []
                     tps, dt, bad, markers = timed_capture(client, prompts, c)
                     report(f"round {rnd} capture {storage} conc{c}", tps)
+                    if bad:  # a pass whose captures failed measures nothing: say why, loudly
+                        report(f"round {rnd} capture {storage} conc{c} FAILED captures", f"{len(bad)}, first: {bad[0]}")
                     for sp in spies:
                         sp.stop()
                     after = scheduler_counts(client)
                     for k in ("hook_us", "backpressure_us"):  # the scheduler's share of the pass's wall time there
                         res[f"capture_{storage}_conc{c}_{k[:-3]}_share"] = \
                             (after.get(k, 0) - before.get(k, 0)) / 1e6 / dt
-                    runs.setdefault(f"capture_{storage}_conc{c}", []).append(tps)
+                    # a pass with failed captures did less work than it was timed for: it does not count
+                    runs.setdefault(f"capture_{storage}_conc{c}", []).append(float("nan") if bad else tps)
                     failed = f"capture_{storage}_conc{c}_failed"
                     res[failed] = res.get(failed, 0) + len(bad)
                     ok = [m for m in markers if m.get("status") == "ok"]
-                    res[f"bytes_per_token_{storage}"] = sum(m["bytes"] for m in ok) / sum(m["n_tokens"] for m in ok)
+                    if ok:
+                        res[f"bytes_per_token_{storage}"] = sum(m["bytes"] for m in ok) / sum(m["n_tokens"] for m in ok)
         for name, values in runs.items():
-            res[f"{name}_tokens_per_s"] = max(values)
+            res[f"{name}_tokens_per_s"] = max((v for v in values if v == v), default=0.0)  # NaN: failed pass
             res[f"{name}_rounds"] = " ".join(f"{v:,.0f}" for v in values)
         best_c = max(a.concurrency, key=lambda c: res[f"plain_conc{c}_tokens_per_s"])
         res["plain_prefill_tokens_per_s"] = res[f"plain_conc{best_c}_tokens_per_s"]

@@ -10,6 +10,9 @@ from eagle3kit.capture.format import JournalTail, atomic_write, journal_path, sa
 from eagle3kit.capture.rid import parse_rid
 
 
+extra_keys: list[str] = []  # every request's extra_key, as the stand-in server received it
+
+
 def stand_in_server(mark, delay: float, answered=None):
     """An HTTP endpoint answering /generate like SGLang, and calling ``mark(key)`` ``delay`` seconds later (the
     writer); the key "bad" gets SGLang's 400."""
@@ -22,7 +25,8 @@ def stand_in_server(mark, delay: float, answered=None):
                 self.end_headers()
                 self.wfile.write(b'{"error": "Either text, input_ids or input_embeds should be provided."}')
                 return
-            assert body["extra_key"] == body["rid"] and len(body["input_ids"]) == n
+            assert body["extra_key"].startswith(body["rid"] + ".") and len(body["input_ids"]) == n
+            extra_keys.append(body["extra_key"])
             if answered:
                 answered()
             threading.Timer(delay, mark, args=(key,)).start()
@@ -127,3 +131,17 @@ def test_journal_lines_never_interleave(tmp_path, threads=8):
     lines = journal_path(tmp_path, 0).read_bytes().split(b"\n")[:-1]
     expected = sorted(f"t{t}-{i}" for t in range(threads) for i in range(50))
     assert sorted(json.loads(x)["key"] for x in lines) == expected
+
+
+def test_a_key_captured_again_gets_a_new_cache_namespace(tmp_path):
+    """The rid repeats when a key is captured again (retry, rerun); the extra_key must not, or the second capture
+    hits the radix cache of the first and comes back incomplete (seen on the GPU, benchmark pass 2)."""
+    server = stand_in_server(lambda key: write_marker(tmp_path, key, 0, {"status": "ok", "key": key}), 0.0)
+    try:
+        client = CaptureClient(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=10)
+        del extra_keys[:]
+        for _ in range(2):
+            assert client.capture_many([("same", [1, 2, 3])], concurrency=1)[0]["status"] == "ok"
+    finally:
+        server.shutdown()
+    assert len(extra_keys) == 2 and extra_keys[0] != extra_keys[1]

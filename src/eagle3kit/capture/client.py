@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,7 +50,9 @@ class CaptureClient:
         body = {"input_ids": list(map(int, input_ids)), "rid": rid,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}}
         if self.isolate_cache if isolate_cache is None else isolate_cache:
-            body["extra_key"] = rid
+            # unique per request, not per key: the rid repeats when a key is captured again (a retry, a rerun, a
+            # second benchmark pass), and a namespace shared with the first capture would let it hit the cache
+            body["extra_key"] = f"{rid}.{uuid.uuid4().hex[:16]}"
         r = self._session().post((url or self._url()) + "/generate", json=body, timeout=self.timeout)
         if r.status_code != 200:
             raise CaptureError(f"{key}: SGLang answered {r.status_code}: {r.text[:300]}")
