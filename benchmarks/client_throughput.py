@@ -1,9 +1,10 @@
 """The capture client's own ceiling, on the CPU: requests per second against a stand-in server that answers at once.
 
 Baseline in the same run: the plain HTTP loop of ``extract_throughput.py`` (what its "plain prefill" pass sends)
-against the same server. The stand-in server runs in its own process (asyncio, keep-alive HTTP/1.1); for capture
-requests it writes the marker (file and journal line, ``format.write_marker``) just after answering, as the writer
-process would. What the ratio shows: whether the client can keep a server busy that answers N requests per
+against the same server. The stand-in server runs in its own process (asyncio, keep-alive HTTP/1.1); after
+answering it writes a marker (file and journal line, ``format.write_marker``), as the writer process would, for
+plain requests too (in another folder), so that it does the same work for both kinds and the ratio is the
+client's own. What the ratio shows: whether the client can keep a server busy that answers N requests per
 second. On the GPU the SGLang server answered 300-600 requests per second (1,366-token prompts at 0.4-0.8 M
 tokens/s); the client must sustain well more than that.
 
@@ -28,6 +29,8 @@ def serve(port_q, capture_dir: str) -> None:
     from eagle3kit.capture.format import write_marker
     from eagle3kit.capture.rid import parse_rid
 
+    plain_dir = Path(capture_dir) / "plain"
+    plain_dir.mkdir(exist_ok=True)
     body_ok = json.dumps({"text": "", "meta_info": {"cached_tokens": 0}}).encode()
     head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body_ok)).encode()
             + b"\r\n\r\n")
@@ -43,10 +46,11 @@ def serve(port_q, capture_dir: str) -> None:
                 writer.write(head + body_ok)
                 await writer.drain()
                 parsed = parse_rid(req["rid"])
-                if parsed is not None:  # a capture request: its marker follows, as the writer process writes it
-                    key = parsed[0]
-                    loop.run_in_executor(None, write_marker, capture_dir, key, 0,
-                                         {"status": "ok", "key": key, "bytes": 0, "n_tokens": parsed[1]})
+                # a capture request's marker follows, as the writer process writes it; a plain request gets one
+                # too, elsewhere, so that the server does the same work for both and the ratio is the client's
+                key, where = (parsed[0], capture_dir) if parsed else (req["rid"], plain_dir)
+                loop.run_in_executor(None, write_marker, where, key, 0,
+                                     {"status": "ok", "key": key, "bytes": 0, "n_tokens": len(req["input_ids"])})
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -89,7 +93,7 @@ def main(argv=None):
                 plain_prefill(url, prompts, c)
                 plain = a.requests / (time.time() - t)
                 for f in d.iterdir():
-                    if not f.name.startswith("_"):
+                    if f.is_file() and not f.name.startswith("_"):
                         f.unlink()
                 t = time.time()
                 markers = client.capture_many(prompts.items(), concurrency=c)

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -82,9 +83,13 @@ def scheduler_counts(client) -> dict:
 def plain_prefill(url, prompts, concurrency, max_new_tokens=0):
     import requests
 
+    local = threading.local()
+
     def one(item):
         key, ids = item
-        s = requests.Session()
+        if not hasattr(local, "s"):  # one kept-alive connection per thread, as the capture client keeps
+            local.s = requests.Session()
+        s = local.s
         rid = f"plain-{key}-{uuid.uuid4().hex[:8]}"
         # a unique extra_key, as the capture client sends: no pass can hit the prefix cache of an earlier one
         r = s.post(url + "/generate", json={"input_ids": ids, "rid": rid, "extra_key": rid,

@@ -109,6 +109,9 @@ def run_sglang_tp(target, out_dir, prompts: dict, aux_layer_ids, n_ranks: int, s
                             log_path=log_path or Path(out_dir) / "sglang.log")
     with server:
         clients = [CaptureClient(server.url, out_dir, rank=r) for r in range(n_ranks)]
+        for c in clients[1:]:  # rank 0's client clears its own; another rank's file of an earlier run must not count
+            for key in prompts:
+                c.clear(key)
         clients[0].capture_many(prompts.items(), concurrency=len(prompts))
         for c in clients[1:]:
             for key in prompts:

@@ -15,7 +15,7 @@ if __name__ == "__main__":
     for rnd in range(2):
         for name, cls in (("old", old.CaptureClient), ("new", CaptureClient)):
             for f in d.iterdir():
-                if not f.name.startswith("_"): f.unlink()
+                if f.is_file() and not f.name.startswith("_"): f.unlink()
             c = cls(url, d, timeout=60); t = time.time()
             ms = c.capture_many(prompts.items(), concurrency=256)
             assert all(m["status"] == "ok" for m in ms), ms[0]

@@ -47,7 +47,10 @@ class CaptureClient:
     def generate(self, key: str, input_ids: list[int], max_new_tokens: int = 0, url: str | None = None,
                  isolate_cache: bool | None = None, **sampling) -> dict:
         rid = make_rid(key, len(input_ids), self.prefix)
-        body = {"input_ids": list(map(int, input_ids)), "rid": rid,
+        ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)  # tensors, arrays, lists
+        if ids and type(ids[0]) is not int:  # numpy scalars in a list, say: JSON takes Python ints only
+            ids = [int(x) for x in ids]
+        body = {"input_ids": ids, "rid": rid,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}}
         if self.isolate_cache if isolate_cache is None else isolate_cache:
             # unique per request, not per key: the rid repeats when a key is captured again (a retry, a rerun, a
