@@ -66,7 +66,7 @@ def serve(port_q, capture_dir: str) -> None:
 
 def main(argv=None):
     from eagle3kit.capture.client import CaptureClient
-    from extract_throughput import plain_prefill
+    from extract_throughput import fresh_start, plain_prefill
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=4000)
@@ -92,9 +92,7 @@ def main(argv=None):
                 t = time.time()
                 plain_prefill(url, prompts, c)
                 plain = a.requests / (time.time() - t)
-                for f in d.iterdir():
-                    if f.is_file() and not f.name.startswith("_"):
-                        f.unlink()
+                fresh_start(d)
                 t = time.time()
                 markers = client.capture_many(prompts.items(), concurrency=c)
                 capture = a.requests / (time.time() - t)

@@ -80,9 +80,7 @@ class CaptureClient:
 
     def collect(self, key: str, answer: dict) -> dict:
         """Wait for ``key``'s capture; the marker with the server's meta_info."""
-        marker = self.wait(key)
-        marker["meta_info"] = answer.get("meta_info", {})
-        return marker
+        return _answered(self.wait(key), answer)
 
     def capture(self, key: str, input_ids: list[int], max_new_tokens: int = 0, **kw) -> dict:
         """Send one prompt, wait for its capture; returns the marker with the server's meta_info."""
@@ -138,7 +136,7 @@ class CaptureClient:
                 for m in failed:
                     finish(m["key"], m)
                 for key, answer in ready:
-                    finish(key, {**journal.pop(key), "meta_info": answer.get("meta_info", {})})
+                    finish(key, _answered(journal.pop(key), answer))
                 now = time.time()
                 if now - checked > 1.0:  # the slow path: markers the journal did not list
                     checked = now
@@ -152,7 +150,7 @@ class CaptureClient:
                         if m is not None:
                             with lock:
                                 answered.pop(key, None)
-                            finish(key, {**m, "meta_info": answer.get("meta_info", {})})
+                            finish(key, _answered(m, answer))
                 if not (failed or ready):
                     time.sleep(poll)
         return results
@@ -165,3 +163,8 @@ class CaptureClient:
             except (OSError, ValueError):
                 pass
         return out
+
+
+def _answered(marker: dict, answer: dict) -> dict:
+    """The marker with SGLang's ``meta_info`` for the request (cached tokens and the like)."""
+    return {**marker, "meta_info": answer.get("meta_info", {})}
