@@ -166,6 +166,44 @@ def test_regeneration_replaces_assistant_turns_with_the_targets_replies(tmp_path
     assert [s.input_ids for s in again] == [s.input_ids for s in samples]
 
 
+def test_sglang_regeneration_spreads_over_data_parallel_servers(tokenizer):
+    """Several servers (--urls): /generate requests go to each in turn (stand-in endpoints answering like SGLang)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    from eagle3kit.data.regenerate import SGLangGenerator, regenerate
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert self.path == "/generate" and body["input_ids"] and body["sampling_params"]["temperature"] == 0.0
+            seen.append(self.server.server_port)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"text": f" from {self.server.server_port} "}).encode())
+
+        def log_message(self, *a):
+            pass
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(2)]
+    for srv in servers:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        gen = SGLangGenerator([f"http://127.0.0.1:{srv.server_port}" for srv in servers], tokenizer)
+        convs = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+                 for i in range(6)]
+        out = list(regenerate(convs, gen, 4, concurrency=3))
+    finally:
+        for srv in servers:
+            srv.shutdown()
+    assert sorted(seen) == sorted([srv.server_port for srv in servers] * 3)
+    assert [o["messages"][1]["content"].startswith("from ") for o in out] == [True] * 6
+    with pytest.raises(ValueError, match="at least one"):
+        SGLangGenerator([], tokenizer)
+
+
 def test_shards_partition_the_data(tokenizer):
     from eagle3kit.data.conversations import load_conversations
     from eagle3kit.extract import prepare_samples

@@ -87,3 +87,30 @@ def test_a_dead_writer_process_stops_captures_not_the_server(tmp_path):
     st = session.writer.status()
     assert st["counts"]["writer_process_exits"] == 1 and "exit code -9" in st["last_error"]
     assert session.writer.counts["errors"] >= 1 and read_marker(tmp_path, "x") is None
+
+
+def test_two_data_parallel_writers_share_a_folder_and_its_journal(tmp_path):
+    """SGLang --dp 2: two schedulers, both TP rank 0, write into one folder. Files are keyed by request, the journal
+    gets whole lines from both, and each worker keeps its own status file."""
+    from eagle3kit.capture.format import JournalTail, read_statuses
+    from eagle3kit.capture.hook import dp_rank
+
+    assert dp_rank("sglang::scheduler_DP1_TP0") == 1 and dp_rank("sglang::scheduler_DP0") == 0
+    assert dp_rank("sglang::scheduler_TP1") is None and dp_rank("sglang::scheduler_MOE_DP1_TP0") is None
+    tail = JournalTail(tmp_path)
+    writers = [WriterProcess(tmp_path, 0, {"layer_ids": [1]}, io_threads=3, dp_rank=d) for d in (0, 1)]
+    for i in range(60):
+        w, n = writers[i % 2], 3 + i % 5
+        hs = w.host_empty((n, 1, 16), torch.bfloat16, cuda=False).fill_(i)
+        ids = w.host_empty((n,), torch.int64, cuda=False).fill_(i)
+        w.submit(Job(select_rows([make_rid(f"k{i}", n)], [n], [0]), {"hidden_states": hs, "token_ids": ids}))
+    for w in writers:
+        w.flush()
+    lines = tail.read()
+    assert sorted(m["key"] for m in lines) == sorted(f"k{i}" for i in range(60))
+    assert all(m["status"] == "ok" for m in lines)
+    st = read_statuses(tmp_path)
+    assert set(st) == {"dp0.rank0", "dp1.rank0"}
+    assert [st[f"dp{d}.rank0"]["counts"]["written"] for d in (0, 1)] == [30, 30]
+    for w in writers:
+        w.close()

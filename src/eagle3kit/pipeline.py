@@ -1,6 +1,7 @@
 """The steps the notebooks call, with their defaults: one place that ties target, data, engine and store."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from eagle3kit.capture.reference import ReferenceEngine
@@ -50,19 +51,24 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
         if engine == "transformers":
             generator = TransformersGenerator(reference.tokenizer, reference.model)
         else:
-            backend.prepare()  # the capture server generates too; its hook ignores these requests
-            generator = SGLangGenerator(backend.urls[0], tok)
+            def serving():  # the capture server generates too (its hook ignores these requests); started on need
+                backend.prepare()
+                return backend.urls
+            generator = SGLangGenerator(serving, tok)
+    t_data = time.time()
     try:
         samples, report = load_samples(data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank,
                                        regenerate_with=generator, regenerate_max_new_tokens=regenerate_max_new_tokens,
                                        regenerate_concurrency=1 if engine == "transformers" else concurrency,
                                        regenerated_cache=Path(out_dir) / "regenerated.jsonl")
+        data_seconds = time.time() - t_data
         summary = extract(samples, out_dir, backend, settings, progress=progress)
     finally:
         backend.close()  # also when only regeneration used the server
     rep = verify(out_dir)
     summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
                    data_records=report.records, data_kept=report.kept,
-                   data_truncated_at_byte=report.truncated_at_byte or 0, layer_ids=layer_ids)
+                   data_truncated_at_byte=report.truncated_at_byte or 0, layer_ids=layer_ids,
+                   data_seconds=data_seconds)  # reading, rendering and (with regenerate) the replies
     summary["failures_list"] = summary.pop("failures")
     return summary

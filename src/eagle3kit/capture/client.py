@@ -9,7 +9,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eagle3kit.capture.format import JournalTail, read_marker, sample_name
+from eagle3kit.capture.format import JournalTail, read_marker, read_statuses, sample_name
 from eagle3kit.capture.rid import RID_PREFIX, make_rid
 
 
@@ -156,13 +156,8 @@ class CaptureClient:
         return results
 
     def status(self) -> dict:
-        out = {}
-        for p in sorted(self.capture_dir.glob("_status.rank*.json")):
-            try:
-                out[p.stem.split(".")[-1]] = json.loads(p.read_text())
-            except (OSError, ValueError):
-                pass
-        return out
+        """Each writer's status: ``rank<r>``, or ``dp<d>.rank<r>`` per worker of a ``--dp N`` server."""
+        return read_statuses(self.capture_dir)
 
 
 def _answered(marker: dict, answer: dict) -> dict:

@@ -13,7 +13,11 @@
 Both are written under a temporary name and renamed, so a reader never sees half a file.
 ``_done.rank<r>.jsonl``
     the journal: each marker again, one line each, appended once the marker exists. A client waiting for many
-    captures reads the new lines of one file instead of looking for each marker (``JournalTail``).
+    captures reads the new lines of one file instead of looking for each marker (``JournalTail``). Several
+    writers may share it (SGLang's ``--dp N`` workers, or servers writing one folder): each line is one
+    ``write`` to a file opened for appending, so lines never mix.
+``_status.rank<r>.json`` (``_status.dp<d>.rank<r>.json`` under ``--dp N``)
+    each writer's counters, ignored rows by kind and last error, rewritten about every half second.
 """
 from __future__ import annotations
 
@@ -161,6 +165,22 @@ def write_marker(out_dir: Path, key: str, rank: int, marker: dict) -> None:
 
 def journal_path(out_dir, rank: int) -> Path:
     return Path(out_dir) / f"_done.rank{rank}.jsonl"
+
+
+def status_path(out_dir, rank: int, dp_rank: int | None = None) -> Path:
+    """One status file per writer: per TP rank, and per data-parallel worker when SGLang runs ``--dp N``."""
+    return Path(out_dir) / (f"_status.rank{rank}.json" if dp_rank is None else f"_status.dp{dp_rank}.rank{rank}.json")
+
+
+def read_statuses(out_dir) -> dict:
+    """Every writer's status, keyed ``rank<r>`` (or ``dp<d>.rank<r>``); unreadable ones are skipped."""
+    out = {}
+    for p in sorted(Path(out_dir).glob("_status.*.json")):
+        try:
+            out[p.name[len("_status."):-len(".json")]] = json.loads(p.read_text())
+        except (OSError, ValueError):
+            pass
+    return out
 
 
 class JournalTail:

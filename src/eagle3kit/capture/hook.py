@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 
 import torch
@@ -81,9 +82,10 @@ class _Forward:
 class CaptureSession:
     """Per process (one per TP rank): routes layer outputs of selected rows to the writer."""
 
-    def __init__(self, config: dict, rank: int = 0, tp_size: int = 1, extend_mode=None, forward_batch_type=None):
+    def __init__(self, config: dict, rank: int = 0, tp_size: int = 1, extend_mode=None, forward_batch_type=None,
+                 dp_rank: int | None = None):
         self.config = config
-        self.rank, self.tp_size = rank, tp_size
+        self.rank, self.tp_size, self.dp_rank = rank, tp_size, dp_rank
         self.extend_mode = extend_mode
         self.fb_type = forward_batch_type
         self.prefix = config["rid_prefix"]
@@ -102,7 +104,7 @@ class CaptureSession:
                                     config["final_normed"])
             self.writer = WriterProcess(config["capture_dir"], rank, meta, storage=config["storage"],
                                         io_threads=config["io_threads"],
-                                        max_inflight_bytes=config["max_inflight_mb"] << 20)
+                                        max_inflight_bytes=config["max_inflight_mb"] << 20, dp_rank=dp_rank)
 
     # -- hook bodies (called by the wrappers below, inside try/except) ---------------------------------------
     def _forward_batch(self, args, pos):
@@ -228,10 +230,26 @@ def _session(config: dict) -> CaptureSession:
         except Exception:  # noqa: BLE001 - not initialised: a single process
             rank, size = 0, 1
         allow_profiler()
-        _SESSIONS[key] = CaptureSession(config, rank, size, ForwardMode.EXTEND, ForwardBatch)
-        log.info("eagle3kit capture: rank %d/%d active=%s layers=%s -> %s", rank, size,
+        dp = dp_rank()
+        _SESSIONS[key] = CaptureSession(config, rank, size, ForwardMode.EXTEND, ForwardBatch, dp_rank=dp)
+        log.info("eagle3kit capture: rank %d/%d dp %s active=%s layers=%s -> %s", rank, size, dp,
                  _SESSIONS[key].active, slot_layers(config), key)
     return _SESSIONS[key]
+
+
+def dp_rank(title: str | None = None) -> int | None:
+    """This scheduler's data-parallel worker under ``--dp N``, else None. SGLang names the process
+    ``sglang::scheduler_DP<d>[_TP<r>...]`` (``configure_scheduler_process``); every worker of a ``--dp N`` server
+    is TP rank 0 of its own group, so the DP index keeps their status files apart."""
+    if title is None:
+        try:
+            import setproctitle
+
+            title = setproctitle.getproctitle()
+        except Exception:  # noqa: BLE001 - no title to read: not a DP worker as far as we can tell
+            return None
+    m = re.search(r"scheduler_DP(\d+)", title)
+    return int(m.group(1)) if m else None
 
 
 def _guarded(session: CaptureSession, where: str, fn, *args):

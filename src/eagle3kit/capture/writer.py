@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from eagle3kit.capture.assemble import Piece, Reassembler, Selection
-from eagle3kit.capture.format import atomic_write, write_marker, write_sample
+from eagle3kit.capture.format import atomic_write, status_path, write_marker, write_sample
 
 
 @dataclass
@@ -36,10 +36,11 @@ class Job:
 
 class CaptureWriter:
     def __init__(self, out_dir, rank: int, metadata: dict, storage: str = "bf16", io_threads: int = 4,
-                 max_pending: int = 4096, on_release=None):
+                 max_pending: int = 4096, on_release=None, dp_rank: int | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.metadata, self.storage = rank, metadata, storage
+        self.status_file = status_path(self.out_dir, rank, dp_rank)
         self.reassembler = Reassembler(max_pending)
         self.counts: Counter = Counter()
         self.ignored: Counter = Counter()
@@ -153,7 +154,7 @@ class CaptureWriter:
         if force or now - self._status_at > 0.5:
             self._status_at = now
             try:
-                atomic_write(self.out_dir / f"_status.rank{self.rank}.json", json.dumps(self.status()).encode())
+                atomic_write(self.status_file, json.dumps(self.status()).encode())
             except OSError:
                 pass
 

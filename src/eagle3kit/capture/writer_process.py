@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.capture.format import atomic_write
+from eagle3kit.capture.format import atomic_write, status_path
 from eagle3kit.capture.ring import HostRing
 from eagle3kit.capture.writer import CaptureWriter, Job
 
@@ -67,10 +67,11 @@ class WriterProcess:
     """The scheduler side: same interface as ``CaptureWriter`` for the capture session."""
 
     def __init__(self, out_dir, rank: int, metadata: dict, storage: str = "bf16", io_threads: int = 4,
-                 max_inflight_bytes: int = 2 << 30, max_pending: int = 4096):
+                 max_inflight_bytes: int = 2 << 30, max_pending: int = 4096, dp_rank: int | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
+        self.status_file = status_path(self.out_dir, rank, dp_rank)
         self.counts: Counter = Counter()
         self.ignored: Counter = Counter()
         self.last_error = ""
@@ -79,7 +80,7 @@ class WriterProcess:
         ack_r, ack_w = os.pipe()
         spec = {"job_fd": job_r, "ack_fd": ack_w, "ring_fd": self.ring.fd, "ring_size": self.ring.size,
                 "out_dir": str(self.out_dir), "rank": rank, "metadata": metadata, "storage": storage,
-                "io_threads": io_threads, "max_pending": max_pending}
+                "io_threads": io_threads, "max_pending": max_pending, "dp_rank": dp_rank}
         env = dict(os.environ)
         src = str(Path(__file__).resolve().parents[2])  # eagle3kit importable in the child, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
@@ -157,7 +158,7 @@ class WriterProcess:
 
     def status(self) -> dict:
         try:
-            return json.loads((self.out_dir / f"_status.rank{self.rank}.json").read_text())
+            return json.loads(self.status_file.read_text())
         except (OSError, ValueError):
             return {"rank": self.rank, "counts": dict(self.counts), "ignored_rows_by_kind": dict(self.ignored),
                     "last_error": self.last_error}
@@ -245,7 +246,7 @@ class WriterProcess:
             for ev in self._flushed.values():
                 ev.set()
         try:
-            atomic_write(self.out_dir / f"_status.rank{self.rank}.json",
+            atomic_write(self.status_file,
                          json.dumps({**self._parent_status(), "rank": self.rank, "time": time.time(),
                                      "ignored_rows_by_kind": dict(self.ignored)}).encode())
         except OSError:
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
                 pass  # the server is gone: the files still get written
 
     writer = CaptureWriter(spec["out_dir"], spec["rank"], spec["metadata"], storage=spec["storage"],
-                           io_threads=spec["io_threads"], max_pending=spec["max_pending"],
+                           io_threads=spec["io_threads"], max_pending=spec["max_pending"], dp_rank=spec.get("dp_rank"),
                            on_release=lambda job: ack({"kind": "release", "id": job.tag}))
     jobs = os.fdopen(spec["job_fd"], "rb")
     while True:

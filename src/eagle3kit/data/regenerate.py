@@ -6,6 +6,9 @@ Generators take the conversation so far (ending with a user turn) and return the
 """
 from __future__ import annotations
 
+import itertools
+import threading
+
 
 class TransformersGenerator:
     def __init__(self, tokenizer, model):
@@ -23,17 +26,41 @@ class TransformersGenerator:
 
 
 class SGLangGenerator:
-    """Greedy replies from a running SGLang server (a capture server too: its hook ignores these rids)."""
+    """Greedy replies from running SGLang servers (capture servers too: their hooks ignore these rids), the
+    requests spread over ``urls`` in turn (data-parallel servers). ``urls`` may be a callable that gives them on the
+    first reply needed (so that a resumed run whose replies are all cached starts no server)."""
 
-    def __init__(self, url: str, tokenizer, timeout: float = 600):
-        self.url, self.tok, self.timeout = url, tokenizer, timeout
+    def __init__(self, urls, tokenizer, timeout: float = 600):
+        self._urls, self._resolved = urls, None
+        if not callable(urls):
+            self._resolve()
+        self.tok, self.timeout = tokenizer, timeout
+        self._turn = itertools.count()  # next() on a count is atomic under the GIL
+        self._lock = threading.Lock()
+
+    def _resolve(self) -> list[str]:
+        urls = self._urls() if callable(self._urls) else self._urls
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        if not urls:
+            raise ValueError("SGLangGenerator needs at least one server url")
+        self._resolved = urls
+        return urls
+
+    @property
+    def urls(self) -> list[str]:
+        if self._resolved is None:
+            with self._lock:
+                if self._resolved is None:
+                    self._resolve()
+        return self._resolved
 
     def __call__(self, messages, max_new_tokens: int) -> str:
         import requests
 
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = self.tok(text, add_special_tokens=False).input_ids
-        r = requests.post(self.url + "/generate", timeout=self.timeout, json={
+        url = self.urls[next(self._turn) % len(self.urls)]
+        r = requests.post(url + "/generate", timeout=self.timeout, json={
             "input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}})
         r.raise_for_status()
         return r.json()["text"].strip()
