@@ -35,7 +35,7 @@ for what in ${1//,/ }; do
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
   esac
   for d in "$rec"/run/03_extract/data; do  # what shows the run without tensors: manifest, replies, writers' status
-    [ -d "$d" ] && { cp "$d"/manifest.jsonl "$d"/regenerated.jsonl "$rec/" 2>/dev/null; cp "$d"/samples/_status*.json "$rec/" 2>/dev/null; }
+    [ -d "$d" ] && { cp "$d"/manifest.jsonl "$d"/regenerated.jsonl "$d"/sglang.log "$rec/" 2>/dev/null; cp "$d"/samples/_status*.json "$rec/" 2>/dev/null; }
   done
   echo "exit $rc" >> "$rec/gpu.txt"; [ "$rc" = 0 ] || final=$rc
   tar czf "$OUT/record-$what.tgz" -C "$rec" --exclude='*.safetensors' --exclude='*.ckpt' --exclude='*.pt' --exclude='captures' --exclude='data' --exclude='data-fp8' .
