@@ -145,3 +145,51 @@ def test_a_key_captured_again_gets_a_new_cache_namespace(tmp_path):
     finally:
         server.shutdown()
     assert len(extra_keys) == 2 and extra_keys[0] != extra_keys[1]
+
+
+def info_server(info: dict):
+    """An endpoint answering SGLang's GET /server_info with ``info``."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/server_info" else 404)
+            self.end_headers()
+            self.wfile.write(json.dumps(info).encode())
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_given_server_that_would_write_elsewhere_is_refused_before_anything_is_sent(tmp_path):
+    import pytest
+
+    from eagle3kit.capture.hook import capture_config, forward_hooks
+    from eagle3kit.capture.server import ServerError, check_capture_server
+
+    cfg = capture_config(tmp_path / "samples", [2, 15, 27], 30)
+    expect = dict(capture_dir=str(tmp_path / "samples"), aux_layer_ids=[2, 15, 27], num_layers=30,
+                  final_normed=False, storage="bf16")
+    cases = [({"forward_hooks": forward_hooks(cfg)}, None),
+             ({"forward_hooks": json.dumps(forward_hooks(cfg))}, None),  # a JSON string is read too
+             ({"model_path": "m"}, None),  # an SGLang that does not report its arguments: nothing to compare
+             ({"forward_hooks": None}, "without eagle3kit's capture hooks"),
+             ({"forward_hooks": forward_hooks({**cfg, "capture_dir": "/elsewhere"})}, "writes captures to /elsewhere"),
+             ({"forward_hooks": forward_hooks({**cfg, "aux_layer_ids": [3, 15, 27]})}, "aux_layer_ids is [3, 15, 27]"),
+             ({"forward_hooks": forward_hooks({**cfg, "storage": "fp8"})}, "storage is 'fp8'")]
+    for info, error in cases:
+        server = info_server(info)
+        url = f"http://127.0.0.1:{server.server_port}"
+        try:
+            if error is None:
+                check_capture_server(url, expect)
+            else:
+                with pytest.raises(ServerError, match=error.replace("[", r"\[").replace("]", r"\]")):
+                    check_capture_server(url, expect)
+        finally:
+            server.shutdown()
+            server.server_close()
+    with pytest.raises(ServerError, match="does not answer /server_info.*Fix"):
+        check_capture_server(url, expect, timeout=2)  # that server is gone now

@@ -146,6 +146,10 @@ def test_resume_after_a_real_kill(tmp_path, target_path):
     keys = [json.loads(x)["key"] for x in lines if x.strip()]
     assert len(keys) == len(set(keys)) == n  # nothing lost, nothing duplicated
     assert verify(out).passed
+    m = json.loads((out / "metrics.json").read_text())  # this run's totals and the whole data set's
+    assert m["written"] == summary["written"] and m["dataset_samples"] == n and not (out / "failures.json").exists()
+    entries = read_manifest(out).values()
+    assert m["dataset_tokens"] == sum(e["n_tokens"] for e in entries) and m["dataset_bytes"] == sum(e["bytes"] for e in entries)
 
 
 def test_regeneration_replaces_assistant_turns_with_the_targets_replies(tmp_path, reference, tokenizer):
@@ -214,3 +218,24 @@ def test_shards_partition_the_data(tokenizer):
     assert len(keys) == len(set(keys)) == len(prepare_samples(convs, tokenizer, 64))
     with pytest.raises(ValueError, match="rank 3"):
         prepare_samples(convs, tokenizer, 64, world_size=3, rank=3)
+
+
+def test_a_mismatched_capture_server_is_refused_and_nothing_written_is_lost(tmp_path, target_path):
+    from test_client import info_server
+
+    from eagle3kit.capture.hook import capture_config, forward_hooks
+    from eagle3kit.capture.server import ServerError
+    from eagle3kit.pipeline import run_extraction
+
+    out = tmp_path / "ds"
+    first = run_extraction(target=target_path, out_dir=out, max_samples=2, max_tokens=96, progress=False)
+    before = (out / "manifest.jsonl").read_bytes()
+    wrong = forward_hooks(capture_config(tmp_path / "elsewhere", [2, 15, 27], 30))  # right layers, wrong folder
+    server = info_server({"forward_hooks": wrong})
+    try:
+        with pytest.raises(ServerError, match="writes captures to .*elsewhere.*Fix"):
+            run_extraction(target=target_path, out_dir=out, engine="sglang", max_samples=4, max_tokens=96,
+                           urls=[f"http://127.0.0.1:{server.server_port}"], progress=False)
+    finally:
+        server.shutdown()
+    assert (out / "manifest.jsonl").read_bytes() == before and first["written"] == 2 and verify(out).passed

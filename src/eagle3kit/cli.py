@@ -13,9 +13,16 @@ def _extract(a):
     summary = run_extraction(target=a.target, data=a.data, out_dir=a.out, engine=a.engine, urls=a.urls,
                              aux_layer_ids=a.layers, max_samples=a.max_samples, max_tokens=a.max_tokens,
                              storage=a.storage, concurrency=a.concurrency, world_size=a.world_size, rank=a.rank,
-                             final_normed=a.final_normed)
-    summary.pop("failures_list", None)
+                             final_normed=a.final_normed, server_args=a.server_args, seed=a.seed,
+                             heldout_percent=a.heldout_percent, regenerate=a.regenerate,
+                             regenerate_max_new_tokens=a.regenerate_max_new_tokens)
+    failures = summary.pop("failures_list", [])
     print(json.dumps(summary, indent=1, default=str))
+    for f in failures[:5]:
+        print(f"failed: {f['key']}: {f['status']}: {f['reason']}", file=sys.stderr)
+    if failures:
+        print(f"{len(failures)} samples failed (all in {Path(a.out) / 'failures.json'}); a rerun of the same command "
+              f"retries them and keeps everything written", file=sys.stderr)
     return 0 if summary["failed"] == 0 and summary["verify_problems"] == 0 else 1
 
 
@@ -73,6 +80,13 @@ def main(argv=None) -> int:
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--rank", type=int, default=0)
     e.add_argument("--final-normed", action="store_true", help="also store the normed final state (SpecForge)")
+    e.add_argument("--regenerate", action="store_true",
+                   help="replace assistant turns with the target's own greedy replies first (kept for resumes)")
+    e.add_argument("--regenerate-max-new-tokens", type=int, default=256)
+    e.add_argument("--seed", type=int, default=0, help="seed of the train/held-out split")
+    e.add_argument("--heldout-percent", type=float, default=5.0)
+    e.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                   help="SGLang flags for the server started here (sglang engine, no --urls); last on the line")
 
     v = sub.add_parser("verify", help="check an extracted data set (checksums, tokens, shapes, finiteness)")
     v.add_argument("out")

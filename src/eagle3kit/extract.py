@@ -98,18 +98,26 @@ class SGLangBackend:
     """Capture servers (one URL per data-parallel server) whose hooks write into ``samples_dir``; with no URLs,
     ``start_server()`` starts one, and only when there is work to do."""
 
-    def __init__(self, urls, concurrency: int = 64, timeout: float = 600, start_server=None):
+    def __init__(self, urls, concurrency: int = 64, timeout: float = 600, start_server=None, expect=None):
         self.urls, self.concurrency, self.timeout = list(urls), concurrency, timeout
         self.start_server = start_server
+        self.expect = expect  # the capture config given URLs must match (capture.server.check_capture_server)
         self.server = None
+        self._checked = False
 
     def prepare(self) -> None:
-        """Start the server (not timed as extraction) when no URLs were given."""
+        """Start the server (not timed as extraction) when no URLs were given; check the given ones once."""
         if not self.urls:
             if self.start_server is None:
                 raise ValueError("engine sglang needs urls of capture servers, or a server to start")
             self.server = self.start_server()
             self.urls = [self.server.url]
+        elif self.server is None and not self._checked:
+            from eagle3kit.capture.server import check_capture_server
+
+            for url in self.urls:
+                check_capture_server(url, self.expect or {})
+            self._checked = True
 
     def run(self, samples_dir: Path, todo: list[Sample], on_done) -> None:
         from eagle3kit.capture.client import CaptureClient

@@ -41,7 +41,9 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                                extra_args=server_args, log_path=Path(out_dir) / "sglang.log")
             s.start().wait_healthy()
             return s
-        backend = SGLangBackend(urls, concurrency, start_server=start_server)
+        expect = dict(capture_dir=str(Path(out_dir) / "samples"), aux_layer_ids=aux, num_layers=info.num_layers,
+                      final_normed=bool(final_normed), storage=storage)
+        backend = SGLangBackend(urls, concurrency, start_server=start_server, expect=expect)
     else:
         raise ValueError(f"engine {engine!r}: choose 'transformers' (CPU reference) or 'sglang' (GPU server)")
     generator = None
@@ -71,4 +73,28 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                    data_truncated_at_byte=report.truncated_at_byte or 0, layer_ids=layer_ids,
                    data_seconds=data_seconds)  # reading, rendering and (with regenerate) the replies
     summary["failures_list"] = summary.pop("failures")
+    write_run_metrics(out_dir, summary)
     return summary
+
+
+def write_run_metrics(out_dir, summary: dict) -> dict:
+    """``<out>/metrics.json``: this run's totals (flat) and the whole data set's as the manifest holds it after
+    every run so far; the failed samples of this run, with their reasons, in ``<out>/failures.json``."""
+    import json
+
+    from eagle3kit.capture.format import atomic_write
+    from eagle3kit.store import read_manifest
+
+    entries = read_manifest(out_dir).values()
+    tokens = sum(e["n_tokens"] for e in entries)
+    nbytes = sum(e["bytes"] for e in entries)
+    flat = {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool))}
+    flat.update(dataset_samples=len(entries), dataset_tokens=tokens, dataset_bytes=nbytes,
+                dataset_bytes_per_token=nbytes / tokens if tokens else 0.0)
+    atomic_write(Path(out_dir) / "metrics.json", json.dumps(flat, indent=1, sort_keys=True).encode())
+    failures = Path(out_dir) / "failures.json"
+    if summary.get("failures_list"):
+        atomic_write(failures, json.dumps(summary["failures_list"], indent=1).encode())
+    else:
+        failures.unlink(missing_ok=True)
+    return flat

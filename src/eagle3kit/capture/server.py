@@ -124,3 +124,53 @@ def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_nor
                          storage=storage, model=str(model_path))
     return SGLangServer(model_path, port=port, capture=cfg, extra_args=extra_args, log_path=log_path, **kw)
 
+
+
+def running_capture_config(url: str, timeout: float = 10.0) -> dict | None:
+    """The capture config a running server's hooks were started with, read from SGLang's ``/server_info``
+    (its ``forward_hooks`` argument); None when that SGLang does not report it. Raises ``ServerError`` naming the
+    URL and the fix when nothing answers there or the server has no eagle3kit hooks."""
+    import json
+
+    import requests
+
+    try:
+        r = requests.get(url.rstrip("/") + "/server_info", timeout=timeout)
+        r.raise_for_status()
+        info = r.json()
+    except (requests.RequestException, ValueError) as e:
+        raise ServerError(f"capture server {url} does not answer /server_info ({type(e).__name__}: {e}). Fix: start "
+                          f"it (eagle3kit.capture.server.capture_server, or SGLang with eagle3kit's --forward-hooks) "
+                          f"or correct the URL (--urls)") from None
+    if "forward_hooks" not in info:
+        return None
+    hooks = info["forward_hooks"] or []
+    if isinstance(hooks, str):
+        hooks = json.loads(hooks)
+    for h in hooks:
+        if isinstance(h, dict) and h.get("name") == "eagle3kit_end":
+            return h.get("config") or {}
+    raise ServerError(f"{url} is an SGLang server without eagle3kit's capture hooks (--forward-hooks), so nothing "
+                      f"would be written. Fix: start it with eagle3kit.capture.server.capture_server(...)")
+
+
+def check_capture_server(url: str, expect: dict, timeout: float = 10.0) -> None:
+    """Refuse a server whose hooks would write elsewhere or something else than this extraction expects: every
+    request would otherwise wait for a capture that never comes. ``expect``: capture_dir, aux_layer_ids,
+    num_layers, final_normed, storage (any subset)."""
+    cfg = running_capture_config(url, timeout)
+    if cfg is None:  # an SGLang that does not report its arguments: nothing to compare
+        return
+    problems = []
+    if "capture_dir" in expect:
+        theirs, ours = Path(cfg.get("capture_dir", "")), Path(expect["capture_dir"])
+        same = (theirs.exists() and ours.exists() and os.path.samefile(theirs, ours)) or theirs.resolve() == ours.resolve()
+        if not same:
+            problems.append(f"it writes captures to {theirs}, this extraction reads {ours}")
+    for k in ("aux_layer_ids", "num_layers", "final_normed", "storage"):
+        if k in expect and cfg.get(k) != expect[k]:
+            problems.append(f"its {k} is {cfg.get(k)!r}, this extraction asks for {expect[k]!r}")
+    if problems:
+        raise ServerError(f"capture server {url} does not match this extraction: {'; '.join(problems)}. Fix: start "
+                          f"the server with the extraction's settings (capture_dir=<out>/samples, the same layers, "
+                          f"storage and final_normed), or change the extraction's to the server's")
