@@ -1,5 +1,5 @@
-"""speculators' own loader reads eagle3kit's export (runs where speculators 0.9 is installed, e.g. the GPU bundle;
-skipped otherwise: speculators is installed with --no-deps for drafter training, which comes next)."""
+"""speculators' own loader reads eagle3kit's export. scripts/setup.sh installs speculators 0.9 without its
+dependencies (it pins an older transformers), so this runs in CI; skipped where speculators is not installed."""
 import pytest
 import torch
 
@@ -7,7 +7,9 @@ speculators = pytest.importorskip("speculators")
 pytest.importorskip("hs_connectors")
 
 
-def test_speculators_arrow_dataset_reads_the_export(tmp_path, tokenizer, reference, target_path):
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_speculators_arrow_dataset_reads_the_export(tmp_path, tokenizer, reference, target_path, storage):
+    """Both storage options: bf16 files are hard-linked into the export, fp8 ones decoded to bf16."""
     from hs_connectors import FileTransfer
     from safetensors.torch import load_file
     from speculators.data_generation.offline import check_hidden_states
@@ -20,9 +22,10 @@ def test_speculators_arrow_dataset_reads_the_export(tmp_path, tokenizer, referen
 
     samples, _ = load_samples("embedded:sharegpt", tokenizer, 6, 128)
     info = TargetInfo.read(target_path)
-    extract(samples, tmp_path / "d", ReferenceBackend(reference),
-            settings_for(target_path, info, [2, 15, 27, 30], "bf16", "embedded:sharegpt", 128), progress=False)
-    to_speculators(tmp_path / "d", tmp_path / "spec", split="all")
+    extract(samples, tmp_path / "d", ReferenceBackend(reference, storage),
+            settings_for(target_path, info, [2, 15, 27, 30], storage, "embedded:sharegpt", 128), progress=False)
+    r = to_speculators(tmp_path / "d", tmp_path / "spec", split="all")
+    assert r["hard_linked"] == (len(samples) if storage == "bf16" else 0)
     hs_dir = tmp_path / "spec" / "hidden_states"
     ds = ArrowDataset(max_len=256, datapath=str(tmp_path / "spec"), transfer=FileTransfer(hs_dir), on_missing="raise",
                       train_ratio=0.5, split="train")
