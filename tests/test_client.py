@@ -13,27 +13,24 @@ from eagle3kit.capture.rid import parse_rid
 extra_keys: list[str] = []  # every request's extra_key, as the stand-in server received it
 
 
-def stand_in_server(mark, delay: float, answered=None):
-    """An HTTP endpoint answering /generate like SGLang, and calling ``mark(key)`` ``delay`` seconds later (the
-    writer); the key "bad" gets SGLang's 400."""
+def endpoint(respond):
+    """A local HTTP endpoint (started; ``.shutdown()`` it): ``respond(port, method, path, body)`` returns
+    (status, payload) for every GET and POST, the body and payload as JSON."""
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            key, n = parse_rid(body["rid"])
-            if key == "bad":
-                self.send_response(400)
-                self.end_headers()
-                self.wfile.write(b'{"error": "Either text, input_ids or input_embeds should be provided."}')
-                return
-            assert body["extra_key"].startswith(body["rid"] + ".") and len(body["input_ids"]) == n
-            extra_keys.append(body["extra_key"])
-            if answered:
-                answered()
-            threading.Timer(delay, mark, args=(key,)).start()
-            self.send_response(200)
+        def _reply(self, method):
+            n = int(self.headers.get("Content-Length") or 0)
+            status, payload = respond(self.server.server_port, method, self.path,
+                                      json.loads(self.rfile.read(n)) if n else None)
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
-            self.wfile.write(json.dumps({"meta_info": {"cached_tokens": 0}}).encode())
+            self.wfile.write(json.dumps(payload).encode())
+
+        def do_GET(self):  # noqa: N802
+            self._reply("GET")
+
+        def do_POST(self):  # noqa: N802
+            self._reply("POST")
 
         def log_message(self, *a):
             pass
@@ -41,6 +38,22 @@ def stand_in_server(mark, delay: float, answered=None):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def stand_in_server(mark, delay: float, answered=None):
+    """An HTTP endpoint answering /generate like SGLang, and calling ``mark(key)`` ``delay`` seconds later (the
+    writer); the key "bad" gets SGLang's 400."""
+    def respond(port, method, path, body):
+        key, n = parse_rid(body["rid"])
+        if key == "bad":
+            return 400, {"error": "Either text, input_ids or input_embeds should be provided."}
+        assert body["extra_key"].startswith(body["rid"] + ".") and len(body["input_ids"]) == n
+        extra_keys.append(body["extra_key"])
+        if answered:
+            answered()
+        threading.Timer(delay, mark, args=(key,)).start()
+        return 200, {"meta_info": {"cached_tokens": 0}}
+    return endpoint(respond)
 
 
 def test_markers_are_awaited_beside_the_requests_in_flight(tmp_path):
@@ -149,18 +162,7 @@ def test_a_key_captured_again_gets_a_new_cache_namespace(tmp_path):
 
 def info_server(info: dict):
     """An endpoint answering SGLang's GET /server_info with ``info``."""
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            self.send_response(200 if self.path == "/server_info" else 404)
-            self.end_headers()
-            self.wfile.write(json.dumps(info).encode())
-
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    return endpoint(lambda port, method, path, body: (200 if path == "/server_info" else 404, info))
 
 
 def test_a_given_server_that_would_write_elsewhere_is_refused_before_anything_is_sent(tmp_path):

@@ -172,28 +172,18 @@ def test_regeneration_replaces_assistant_turns_with_the_targets_replies(tmp_path
 
 def test_sglang_regeneration_spreads_over_data_parallel_servers(tokenizer):
     """Several servers (--urls): /generate requests go to each in turn (stand-in endpoints answering like SGLang)."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    import threading
+    from test_client import endpoint
 
     from eagle3kit.data.regenerate import SGLangGenerator, regenerate
 
     seen = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            assert self.path == "/generate" and body["input_ids"] and body["sampling_params"]["temperature"] == 0.0
-            seen.append(self.server.server_port)
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(json.dumps({"text": f" from {self.server.server_port} "}).encode())
+    def respond(port, method, path, body):
+        assert path == "/generate" and body["input_ids"] and body["sampling_params"]["temperature"] == 0.0
+        seen.append(port)
+        return 200, {"text": f" from {port} "}
 
-        def log_message(self, *a):
-            pass
-
-    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(2)]
-    for srv in servers:
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    servers = [endpoint(respond) for _ in range(2)]
     try:
         gen = SGLangGenerator([f"http://127.0.0.1:{srv.server_port}" for srv in servers], tokenizer)
         convs = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
