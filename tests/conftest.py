@@ -77,3 +77,15 @@ def spike_dumps():
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def small_dataset(target_path, tmp_path_factory):
+    """A real captured data set (reference engine, CPU): 24 ShareGPT conversations, 192 tokens, 25 % held out,
+    with the final norm's output stored too (for the post-norm experiment)."""
+    from eagle3kit.pipeline import run_extraction
+
+    out = tmp_path_factory.mktemp("small") / "data"
+    run_extraction(target=str(target_path), out_dir=out, engine="transformers", max_samples=24, max_tokens=192,
+                   heldout_percent=25, final_normed=True, progress=False)
+    return out

@@ -138,10 +138,34 @@ def check(capture_layer_ids, drafter_config: dict, model_type: str, num_layers: 
     if not final_is_pre_norm and trainer == "speculators":
         d.findings.append(Finding("error", "the final state was captured after the norm; speculators applies the "
                                   "target's norm itself", "capture the final state before the norm (the default)"))
-    if drafter_config.get("norm_before_residual") and engine == "sglang":
-        d.findings.append(Finding("warning", "norm_before_residual=True: SGLang's LlamaForCausalLMEagle3 has no such "
-                                  "option and runs the drafter without it", "train with norm_before_residual=False"))
+    if engine == "sglang":
+        unread = {"norm_before_residual": "norm_before_residual=False", "norm_before_fc": "norm_before_fc=False "
+                  "(fc_norm, per aux state, is read by SGLang)"}
+        tl = drafter_config.get("transformer_layer_config") or {}
+        for key, fix in unread.items():
+            if drafter_config.get(key) or tl.get(key):
+                d.findings.append(Finding("error", f"{key}=True: SGLang 0.5.14's LlamaForCausalLMEagle3 does not read "
+                                          f"it and runs another network than the one trained", f"train with {fix}"))
+        window = drafter_config.get("sliding_window") or tl.get("sliding_window")
+        if window or "sliding_attention" in (drafter_config.get("layer_types") or tl.get("layer_types") or []):
+            d.findings.append(Finding("error", f"sliding-window attention ({window}) in the draft: SGLang runs full "
+                                      f"attention unless --speculative-draft-window-size is given",
+                                      "train with full attention, or serve with --speculative-draft-window-size"))
     return d
+
+
+def post_norm_share(final_states: torch.Tensor, norm_weight: torch.Tensor, tol: float = 0.02) -> float:
+    """Share of tokens whose "final" state is already the final norm's output (RMS of state / norm weight = 1).
+
+    The output of an RMSNorm with weight w satisfies rms(h / w) = 1 for every token (up to bf16 rounding); the
+    residual stream before the norm has no such constraint (SmolLM2: RMS 2 to 400). A capture whose last slot is
+    post-norm (an engine that hands out normed states) gives a share near 1, the correct pre-norm state near 0.
+    """
+    h = final_states.float().reshape(-1, final_states.shape[-1])
+    w = norm_weight.float()
+    keep = w.abs() > 1e-3 * w.abs().max()
+    r = (h[:, keep] / w[keep]).pow(2).mean(-1).sqrt()
+    return float(((r - 1).abs() < tol).float().mean()) if r.numel() else 0.0
 
 
 def token_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

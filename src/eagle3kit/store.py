@@ -149,3 +149,47 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
         else:
             rep.ok += 1
     return rep
+
+
+def derive(src, dest, storage: str | None = None, final_slot: str | None = None, keep_final_normed: bool = False) -> dict:
+    """A new data set from ``src`` with every sample re-encoded: ``storage`` (e.g. fp8 from bf16 captures: the same
+    ``encode`` the capture writer uses) and/or ``final_slot="post_norm"`` (the last slot replaced by the final norm's
+    output, what an engine that hands out post-norm states gives; for the acceptance experiment, needs a capture
+    with ``final_normed``). Splits, keys and loss spans are kept; ``dest`` must be new."""
+    from eagle3kit.capture.format import sample_name, write_sample
+
+    src, dest = Path(src), Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise StoreError(f"{dest} is not empty: derive into a new folder (nothing was changed)")
+    settings = json.loads((src / SETTINGS).read_text())
+    if final_slot not in (None, "pre_norm", "post_norm"):
+        raise StoreError(f"final_slot={final_slot!r}: choose 'post_norm' (or leave it unset)")
+    if final_slot == "post_norm" and not settings.get("final_normed"):
+        raise StoreError(f"{src} holds no final_normed states: capture with --final-normed to derive post-norm data")
+    new = {**settings, "storage": storage or settings["storage"], "derived_from": str(src),
+           "final_normed": bool(settings.get("final_normed") and keep_final_normed)}
+    if final_slot:
+        new["final_slot"] = final_slot
+    check_settings(dest, new)
+    (dest / "samples").mkdir(parents=True, exist_ok=True)
+    writer = ManifestWriter(dest)
+    n = 0
+    try:
+        for e in sorted(read_manifest(src).values(), key=lambda e: e["index"]):
+            tensors, meta = read_sample(src / "samples" / e["file"])
+            if final_slot == "post_norm":
+                hs = tensors["hidden_states"].clone()
+                hs[:, -1] = tensors["final_normed"]
+                tensors["hidden_states"] = hs
+                meta["final"] = "output of the final norm (post-norm)"
+            if not keep_final_normed:
+                tensors.pop("final_normed", None)
+                meta["final_normed"] = False
+            key = e["key"]
+            m = write_sample(dest / "samples", key, 0, tensors, meta, new["storage"])
+            writer.append({**e, "file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"],
+                           "storage": new["storage"]})
+            n += 1
+    finally:
+        writer.close()
+    return {"samples": n, "dest": str(dest), "storage": new["storage"], "final_slot": new.get("final_slot", "pre_norm")}

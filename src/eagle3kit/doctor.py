@@ -1,0 +1,61 @@
+"""``eagle3kit doctor``: will SGLang feed a drafter the hidden states it was trained on?
+
+Reads an exported drafter (``config.json`` as SGLang reads it, ``eagle3kit.json`` with what it was trained on) and
+optionally the training data, and checks: the layer ids SGLang will capture for this target family against the
+training layers (``layers.check``), options SGLang 0.5.14 ignores (norm_before_residual, norm_before_fc, sliding
+window), the final slot (pre-norm, by the data set's record and by the values themselves).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3kit.layers import Diagnosis, Finding, check, post_norm_share
+
+
+def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
+    from eagle3kit.target import TargetInfo, resolve_target
+
+    drafter_dir = Path(drafter_dir)
+    try:
+        cfg = json.loads((drafter_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{drafter_dir / 'config.json'}: not a readable drafter config ({e}). Fix: pass the folder "
+                         f"`eagle3kit train` exported (best/ or final/)") from None
+    meta_path = drafter_dir / "eagle3kit.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    target = target or meta.get("target")
+    if not target:
+        raise ValueError(f"{drafter_dir}: no eagle3kit.json naming the target: pass --target")
+    info = TargetInfo.read(resolve_target(target))
+    capture = meta.get("capture_layer_ids")
+    if not capture:
+        raise ValueError(f"{drafter_dir}: eagle3kit.json does not record the training layers: pass --capture-layers")
+    d = check(capture, cfg, info.model_type, info.num_layers, final_is_pre_norm=bool(meta.get("final_pre_norm", True)))
+    if data:
+        d.findings.extend(check_data(data, target, probe).findings)
+    return d
+
+
+def check_data(data, target, probe: int = 4) -> Diagnosis:
+    """The final slot of a captured data set holds the state before the final norm (by record and by value)."""
+    from eagle3kit.drafter.data import open_source
+    from eagle3kit.drafter.model import TargetHead
+    from eagle3kit.target import resolve_target
+
+    d = Diagnosis()
+    src = open_source(data, None)
+    head = TargetHead.from_target(resolve_target(target))
+    shares = [post_norm_share(src.load(i)["hidden_states"][:, -1], head.norm_weight) for i in range(min(probe, len(src)))]
+    share = max(shares) if shares else 0.0
+    recorded = src.info().final_pre_norm
+    if recorded is False or share > 0.5:
+        d.findings.append(Finding("error", f"{data}: the final slot holds post-norm states ({share:.0%} of probed tokens "
+                                  f"have RMS(state / norm weight) = 1; recorded as "
+                                  f"{'post-norm' if recorded is False else 'pre-norm'}); a trainer that applies the "
+                                  f"target's norm (speculators, eagle3kit) learns from twice-normed logits",
+                                  "capture the last layer's output before the final norm (eagle3kit's final slot)"))
+    else:
+        d.findings.append(Finding("ok", f"{data}: the final slot is the pre-norm state ({share:.0%} of probed tokens "
+                                  f"look normed)"))
+    return d

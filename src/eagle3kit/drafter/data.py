@@ -1,0 +1,223 @@
+"""Training data: captured samples read from disk, aligned for the drafter, packed to a token budget, streamed.
+
+Sources (``open_source``):
+  * an eagle3kit data set (``eagle3kit extract``; bf16 or fp8 storage: fp8 is decoded to bf16 on read), by split
+  * a speculators export (``eagle3kit export speculators`` or speculators' own data generation): the Arrow data
+    set's input_ids/loss_mask and ``hidden_states/hs_{i}.safetensors``
+Every sample is checked as it is read (token ids against the manifest's checksum or the Arrow row, shapes, finite
+values); a bad one is skipped and counted, never trained on.
+
+Memory stays bounded whatever the data set's size: the packing plan needs only the manifest's lengths; samples are
+read by DataLoader worker processes a batch at a time (``prefetch`` batches ahead per worker).
+Order is a seeded permutation per epoch and batch j goes to rank j % world_size, so a run can resume at any
+step (``start``) and a two-rank run sees the same global batches as one rank accumulating two.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3kit.store import SETTINGS, StoreError, read_manifest, token_sha256
+
+
+class SampleError(ValueError):
+    pass
+
+
+@dataclass
+class SourceInfo:
+    layer_ids: list[int] | None  # input_of_layer ids of the slots (aux..., final), when the source says so
+    hidden_size: int
+    n_states: int  # aux slots + 1 (the final pre-norm state)
+    target: str | None
+    final_pre_norm: bool | None
+
+
+class CaptureSource:
+    """An eagle3kit data set: the manifest's samples of one split (None: all), in index order."""
+
+    def __init__(self, out_dir, split: str | None = "train"):
+        self.root = Path(out_dir)
+        if not (self.root / "manifest.jsonl").exists():
+            raise StoreError(f"{self.root} is not an eagle3kit data set (no manifest.jsonl). Fix: pass the --out "
+                             f"folder of `eagle3kit extract`, or a speculators export")
+        self.settings = json.loads((self.root / SETTINGS).read_text()) if (self.root / SETTINGS).exists() else {}
+        self.entries = sorted((e for e in read_manifest(self.root).values() if split is None or e.get("split") == split),
+                              key=lambda e: e["index"])
+        self.split = split
+
+    def __len__(self):
+        return len(self.entries)
+
+    def length(self, i: int) -> int:
+        return int(self.entries[i]["n_tokens"])
+
+    def info(self) -> SourceInfo:
+        s = self.settings
+        ids = s.get("layer_ids")
+        return SourceInfo(ids, int(s.get("hidden_size", 0)), len(ids) if ids else 0, s.get("target"),
+                          s.get("final_slot", "pre_norm") == "pre_norm")
+
+    def load(self, i: int) -> dict:
+        from eagle3kit.store import load_entry
+
+        e = self.entries[i]
+        try:
+            s = load_entry(self.root, e)
+        except Exception as ex:  # noqa: BLE001 - unreadable file: counted by the caller
+            raise SampleError(f"{e['file']}: unreadable ({type(ex).__name__}: {ex})") from None
+        if token_sha256(s["token_ids"]) != e["token_sha256"]:
+            raise SampleError(f"{e['file']}: token ids differ from the manifest's")
+        return s
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from safetensors import safe_open
+
+        from eagle3kit.data.render import spans_to_mask
+
+        e = self.entries[i]
+        with safe_open(str(self.root / "samples" / e["file"]), "pt") as f:
+            ids = f.get_tensor("token_ids")
+        return ids, torch.tensor(spans_to_mask(e["loss_spans"], e["n_tokens"]), dtype=torch.int64)
+
+
+class SpeculatorsSource:
+    """speculators' --data-path layout: Arrow data set (input_ids, loss_mask) + hidden_states/hs_{row}.safetensors."""
+
+    def __init__(self, path):
+        from datasets import load_from_disk
+
+        self.root = Path(path)
+        self.ds = load_from_disk(str(self.root))
+        self.ds.set_format("torch")
+        self._lengths = [int(n) for n in self.ds["seq_len"]] if "seq_len" in self.ds.column_names else \
+            [len(r) for r in self.ds["input_ids"]]
+
+    def __len__(self):
+        return len(self._lengths)
+
+    def length(self, i: int) -> int:
+        return self._lengths[i]
+
+    def info(self) -> SourceInfo:
+        from safetensors import safe_open
+
+        with safe_open(str(self.root / "hidden_states" / "hs_0.safetensors"), "pt") as f:
+            meta = f.metadata() or {}
+            shape = f.get_slice("hidden_states").get_shape()
+        ids = json.loads(meta["layer_ids"]) if "layer_ids" in meta else None
+        return SourceInfo(ids, int(shape[2]), int(shape[1]), meta.get("model"), True if ids else None)
+
+    def load(self, i: int) -> dict:
+        from safetensors.torch import load_file
+
+        p = self.root / "hidden_states" / f"hs_{i}.safetensors"
+        try:
+            t = load_file(str(p))
+        except Exception as ex:  # noqa: BLE001
+            raise SampleError(f"{p.name}: unreadable ({type(ex).__name__}: {ex})") from None
+        row = self.ds[i]
+        if not torch.equal(t["token_ids"].to(torch.int64), row["input_ids"].to(torch.int64)):
+            raise SampleError(f"{p.name}: token ids differ from row {i} of the Arrow data set")
+        return {"hidden_states": t["hidden_states"], "token_ids": t["token_ids"], "loss_mask": row["loss_mask"]}
+
+    def tokens(self, i: int):
+        row = self.ds[i]
+        return row["input_ids"], row["loss_mask"]
+
+
+def open_source(path, split: str | None = "train"):
+    p = Path(path)
+    if (p / "manifest.jsonl").exists():
+        return CaptureSource(p, split)
+    if (p / "dataset_info.json").exists() and (p / "hidden_states").is_dir():
+        return SpeculatorsSource(p)
+    raise StoreError(f"{p}: neither an eagle3kit data set (manifest.jsonl) nor a speculators export "
+                     f"(dataset_info.json + hidden_states/). Fix: pass the folder `eagle3kit extract --out` wrote")
+
+
+def align(sample: dict, n_states: int, hidden_size: int, max_rows: int | None = None) -> dict:
+    """One sample as drafter rows (see drafter.objective): row t = aux g_t, token x_{t+1}, final state at t+1,
+    loss mask of x_{t+1}. Checks shapes and finiteness (SampleError otherwise)."""
+    hs, ids, mask = sample["hidden_states"], sample["token_ids"], sample["loss_mask"]
+    if hs.dim() != 3 or hs.shape[1] != n_states or hs.shape[2] != hidden_size:
+        raise SampleError(f"hidden states {tuple(hs.shape)}, expected [T, {n_states}, {hidden_size}]")
+    if hs.shape[0] != ids.shape[0] or ids.shape[0] != mask.shape[0] or ids.shape[0] < 2:
+        raise SampleError(f"{hs.shape[0]} states, {ids.shape[0]} token ids, {mask.shape[0]} mask entries")
+    n = hs.shape[0] - 1 if max_rows is None else min(hs.shape[0] - 1, max_rows)
+    aux = hs[:n, :-1].reshape(n, -1)
+    final = hs[1:n + 1, -1]
+    if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+        raise SampleError("non-finite hidden states")
+    return {"aux": aux, "final": final, "input_ids": ids[1:n + 1].to(torch.int64),
+            "loss_mask": mask[1:n + 1].to(torch.int64)}
+
+
+def plan(lengths: list[int], tokens_per_batch: int, seed: int | None, epoch: int = 0) -> list[list[int]]:
+    """Sample indices per packed batch: a seeded permutation (None: in order), greedily packed to at most
+    ``tokens_per_batch`` rows (a longer sample is cut to the budget)."""
+    order = list(range(len(lengths)))
+    if seed is not None:
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    batches, cur, used = [], [], 0
+    for i in order:
+        n = min(max(lengths[i] - 1, 0), tokens_per_batch)
+        if n == 0:
+            continue
+        if cur and used + n > tokens_per_batch:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def collate(parts: list[dict]) -> dict:
+    docs = [torch.full((p["input_ids"].shape[0],), d, dtype=torch.int64) for d, p in enumerate(parts)]
+    pos = [torch.arange(1, p["input_ids"].shape[0] + 1, dtype=torch.int64) for p in parts]
+    out = {k: torch.cat([p[k] for p in parts]) for k in ("aux", "final", "input_ids", "loss_mask")}
+    out.update(doc_ids=torch.cat(docs), position_ids=torch.cat(pos))
+    return out
+
+
+class PackedBatches(torch.utils.data.IterableDataset):
+    """Batches ``start..`` of ``batches`` that belong to ``rank`` (j % world == rank), read by the DataLoader's
+    workers in turn (worker w takes this rank's batches w, w + W, ...: the loader returns them in order).
+    Yields (j, batch, skipped) with ``skipped`` the reasons of samples left out of it."""
+
+    def __init__(self, source, batches, n_states: int, hidden_size: int, tokens_per_batch: int, start: int = 0,
+                 rank: int = 0, world: int = 1):
+        self.source, self.batches = source, batches
+        self.n_states, self.hidden_size, self.budget = n_states, hidden_size, tokens_per_batch
+        self.start, self.rank, self.world = start, rank, world
+
+    def __iter__(self):
+        wi = torch.utils.data.get_worker_info()
+        wid, nw = (wi.id, wi.num_workers) if wi else (0, 1)
+        mine = [j for j in range(self.start, len(self.batches)) if j % self.world == self.rank]
+        for local, j in enumerate(mine):
+            if local % nw != wid:
+                continue
+            parts, skipped, used = [], [], 0
+            for i in self.batches[j]:
+                try:
+                    a = align(self.source.load(i), self.n_states, self.hidden_size, self.budget - used)
+                except SampleError as e:
+                    skipped.append(f"sample {i}: {e}")
+                    continue
+                parts.append(a)
+                used += a["input_ids"].shape[0]
+            yield j, (collate(parts) if parts else None), skipped
+
+
+def loader(source, batches, n_states, hidden_size, tokens_per_batch, start=0, rank=0, world=1, workers: int = 2,
+           pin: bool = False):
+    ds = PackedBatches(source, batches, n_states, hidden_size, tokens_per_batch, start, rank, world)
+    kw = {"num_workers": workers, "prefetch_factor": 2, "persistent_workers": False} if workers > 0 else {}
+    return torch.utils.data.DataLoader(ds, batch_size=None, pin_memory=pin, **kw)

@@ -1,0 +1,168 @@
+"""Drafter checkpoints for serving: SGLang's ``LlamaForCausalLMEagle3`` and speculators' ``Eagle3Speculator``.
+
+SGLang 0.5.14 (``models/llama_eagle3.py``; ../shared/notes/drafter-sources.md §1): config keys
+``architectures: [LlamaForCausalLMEagle3]``, ``model_type: llama``, the decoder geometry, ``vocab_size`` (the
+target's), ``draft_vocab_size`` (must be present), ``tie_word_embeddings: false`` (true would make the draft's
+lm_head the target's embedding), ``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's convention for the
+target's family (Llama/Qwen: output of layer k = our input_of_layer k+1; DeepSeek/Kimi: see ``layers``),
+``norm_output``/``fc_norm``. Weights ``fc``, ``layers.0.*``, ``norm``, ``lm_head [N, H]``, ``d2t``, ``fc_norm.*``;
+no ``embed_tokens`` (SGLang takes the target's). SGLang drops unknown names and leaves unloaded parameters
+uninitialised without a word: only names it loads are written, and ``sglang_names`` is checked by a test.
+``eagle3kit.json`` beside them records what the drafter was trained on (the doctor reads it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3kit.layers import from_input_of_layer, sglang_convention
+
+FORMAT = "eagle3kit-drafter/1"
+_LAYER0 = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+           "post_attention_layernorm.weight", "hidden_norm.weight")
+_GEOMETRY = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "hidden_act", "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_theta", "rope_scaling",
+             "rope_parameters", "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class ExportError(ValueError):
+    pass
+
+
+def sglang_names(num_aux: int, fc_norm: bool) -> list[str]:
+    """The tensor names LlamaForCausalLMEagle3 loads for a one-layer draft (all of them: none optional)."""
+    names = ["fc.weight", "norm.weight", "lm_head.weight", "d2t"] + [f"layers.0.{n}" for n in _LAYER0]
+    return names + ([f"fc_norm.{i}.weight" for i in range(num_aux)] if fc_norm else [])
+
+
+def _publish(tmp: Path, dest: Path) -> Path:
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    return dest
+
+
+def sglang_config(model, target_path, aux_layer_ids) -> dict:
+    """config.json of the SGLang export."""
+    from eagle3kit.target import TargetInfo
+
+    info = TargetInfo.read(Path(target_path))
+    tl = model.config.transformer_layer_config.to_dict()
+    cfg = {k: tl[k] for k in _GEOMETRY if tl.get(k) is not None}
+    rope = tl.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rope:
+        cfg["rope_theta"] = rope["rope_theta"]
+    sg_ids = from_input_of_layer(aux_layer_ids, sglang_convention(info.model_type), info.num_layers)
+    cfg.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+               draft_vocab_size=int(model.draft_vocab_size), vocab_size=int(info.vocab_size),
+               tie_word_embeddings=False, torch_dtype="bfloat16", norm_output=bool(model.config.norm_output),
+               fc_norm=bool(model.config.fc_norm),
+               eagle_config={"eagle_aux_hidden_state_layer_ids": sg_ids, "use_aux_hidden_state": True})
+    return cfg
+
+
+def sglang_tensors(model) -> dict:
+    sd = model.state_dict()
+    names = sglang_names(len(model.config.eagle_aux_hidden_state_layer_ids), bool(model.config.fc_norm))
+    out = {}
+    for n in names:
+        if n == "d2t":
+            d2t = sd.get("d2t")
+            out[n] = (d2t if d2t is not None else torch.zeros(model.draft_vocab_size, dtype=torch.int64)).to(torch.int64)
+        else:
+            out[n] = sd[n].detach().to(torch.bfloat16)
+    return {k: v.contiguous().cpu() for k, v in out.items()}
+
+
+def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict | None = None,
+              aux_ids_override: list[int] | None = None) -> Path:
+    """Write an SGLang draft directory (atomically: ``dest`` is replaced whole). ``aux_ids_override`` writes
+    other SGLang layer ids than the training layers' (the off-by-one experiment; the doctor flags it)."""
+    from eagle3kit.drafter.model import check_servable
+    from eagle3kit.target import TargetInfo
+
+    if model.config.transformer_layer_config.num_hidden_layers != 1:
+        raise ExportError("SGLang 0.5.14 runs layers > 0 of a draft with other norms than speculators trains "
+                          "(hidden_norm as input norm): export one-layer drafters only")
+    check_servable(model.config)
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    cfg = sglang_config(model, target_path, aux_layer_ids)
+    if aux_ids_override is not None:
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [int(k) for k in aux_ids_override]
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file(sglang_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    info = TargetInfo.read(Path(target_path))
+    (tmp / "eagle3kit.json").write_text(json.dumps({
+        "format": FORMAT, "target": str(target_path), "target_model_type": info.model_type,
+        "target_num_layers": info.num_layers, "capture_layer_ids": [int(k) for k in aux_layer_ids] + [info.num_layers],
+        "layer_convention": "input_of_layer", "final_pre_norm": True, "draft_vocab_size": int(vocab.size),
+        **(provenance or {})}, indent=1, default=str))
+    return _publish(tmp, dest)
+
+
+def to_speculators(model, dest, provenance: dict | None = None) -> Path:
+    """speculators' own checkpoint (``Eagle3Speculator``: what vLLM loads), via its ``save_pretrained``."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    model.save_pretrained(str(tmp))
+    (tmp / "eagle3kit.json").write_text(json.dumps({"format": FORMAT, **(provenance or {})}, indent=1, default=str))
+    return _publish(tmp, dest)
+
+
+def load_sglang_export(path, target_path=None, attn_implementation: str = "sdpa"):
+    """The exported drafter loaded back into speculators' model (what a test or the notebook compares against the
+    trained one). Refuses an export with tensors SGLang would not load or without ones it needs."""
+    from eagle3kit.drafter.model import build
+    from eagle3kit.drafter.vocab import DraftVocab
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    meta = json.loads((path / "eagle3kit.json").read_text()) if (path / "eagle3kit.json").exists() else {}
+    target_path = Path(target_path or meta.get("target") or "")
+    tensors = load_file(str(path / "model.safetensors"))
+    want = set(sglang_names(len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), bool(cfg.get("fc_norm"))))
+    missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want - {"t2d"})
+    if missing or extra:
+        raise ExportError(f"{path}: SGLang would leave {missing} uninitialised and drop {extra}")
+    vocab = DraftVocab.from_d2t(tensors["d2t"], int(cfg["vocab_size"]))
+    aux = meta.get("capture_layer_ids", [])[:-1]
+    model = build(target_path, aux, vocab, fc_norm=bool(cfg.get("fc_norm")), norm_output=bool(cfg.get("norm_output")),
+                  attn_implementation=attn_implementation)
+    state = {k: v.float() for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    model.load_state_dict(state, strict=False)
+    return model, cfg, meta
+
+
+def export_drafter(src, dest, fmt: str, checkpoint: str = "best", sglang_layer_ids=None) -> dict:
+    """``eagle3kit export sglang|speculators <train out_dir or export> DEST``."""
+    src = Path(src)
+    export_dir = src / checkpoint if (src / "train.json").exists() else src
+    if not (export_dir / "config.json").exists():
+        raise ExportError(f"{export_dir}: no exported drafter there (training still running, or no evaluation yet?)")
+    model, cfg, meta = load_sglang_export(export_dir)
+    from eagle3kit.drafter.vocab import DraftVocab
+
+    vocab = DraftVocab.from_d2t(model.d2t if model.d2t is not None else torch.zeros(model.draft_vocab_size,
+                                                                                       dtype=torch.int64),
+                                int(cfg["vocab_size"]))
+    aux = meta["capture_layer_ids"][:-1]
+    provenance = {k: v for k, v in meta.items() if k not in ("format", "target", "target_model_type",
+                                                             "target_num_layers", "capture_layer_ids",
+                                                             "layer_convention", "final_pre_norm", "draft_vocab_size")}
+    if fmt == "sglang":
+        out = to_sglang(model, vocab, dest, meta["target"], aux, provenance, aux_ids_override=sglang_layer_ids)
+    elif fmt == "speculators":
+        out = to_speculators(model, dest, {**meta, **provenance})
+    else:
+        raise ExportError(f"format {fmt!r}: drafters export to 'sglang' or 'speculators'")
+    return {"format": fmt, "dest": str(out), "from": str(export_dir)}

@@ -1,0 +1,151 @@
+"""Teacher targets, the loss of each TTT step, and chained acceptance counts.
+
+Alignment (``data.align``): row t holds the target's final state at position t+1, whose logits ``z_{t+1}``
+choose token x_{t+2}. Step k of the draft at row t predicts x_{t+2+k}: its teacher is row t+k, and the row
+counts (is *valid*) when the token it starts from (x_{t+1}) and the token it predicts (x_{t+2+k}) are both
+loss-masked (assistant) tokens of the same sample: exactly the tokens a served draft proposes.
+
+Acceptance as SGLang counts it under greedy decoding: step k is accepted when the draft's argmax, mapped to a
+target id through ``d2t``, equals the target's argmax over its *full* vocabulary and every earlier step was
+accepted. ``cond_acc_k`` = accepted at k given accepted up to k-1; ``tau(n) = 1 + sum_{k<n} prod_{i<=k}
+cond_acc_i`` (the 1 is the bonus token the verifier always adds, which SGLang's accept length includes).
+
+Losses over the draft vocabulary (the target's distribution renormalised to it, as speculators and SpecForge do):
+  ``kl``         forward KL(target || draft), every valid row (speculators' default)
+  ``ce_masked``  soft cross-entropy -sum p log q, rows whose target argmax lies outside the draft vocabulary
+                 left out (SpecForge / EAGLE-3's recipe)
+Step k's loss is weighted ``step_decay ** k`` (speculators 1.0, SpecForge/EAGLE 0.8).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from eagle3kit.drafter.ttt import shifted
+
+LOSSES = ("kl", "ce_masked")
+
+
+@dataclass
+class Teacher:
+    token: torch.Tensor  # int64 [S]: the target's greedy token at each row (full vocabulary)
+    draft_index: torch.Tensor  # int64 [S]: its index in the draft vocabulary, -1 when outside
+    logp: torch.Tensor  # float32 [S, N]: log-softmax of the target logits over the draft vocabulary
+
+
+@torch.no_grad()
+def teacher(head, final: torch.Tensor, vocab_ids: torch.Tensor, t2d_index: torch.Tensor, chunk: int = 2048) -> Teacher:
+    """Target targets from the final pre-norm states [S, H] (row by chunk: [chunk, V] logits at a time)."""
+    tokens, logps = [], []
+    for a in range(0, final.shape[0], chunk):
+        z = head.logits(final[a:a + chunk]).float()
+        tokens.append(z.argmax(-1))
+        logps.append(torch.log_softmax(z.index_select(1, vocab_ids), dim=-1))
+    token = torch.cat(tokens)
+    return Teacher(token, t2d_index[token], torch.cat(logps))
+
+
+def valid_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows whose step k is a draft SGLang would make: x_{t+1} and x_{t+2+k} loss-masked, same sample."""
+    m = loss_mask.to(torch.bool)
+    return m & shifted(m, k + 1, False) & (shifted(doc_ids, k + 1, -1) == doc_ids)
+
+
+def step_loss(logits: torch.Tensor, t: Teacher, valid: torch.Tensor, k: int, kind: str) -> tuple[torch.Tensor, int]:
+    """Mean loss of step k over its rows, and the number of rows."""
+    if kind not in LOSSES:
+        raise ValueError(f"loss {kind!r}: choose one of {LOSSES}")
+    p_log = shifted(t.logp, k)
+    rows = valid if kind == "kl" else valid & (shifted(t.draft_index, k, -1) >= 0)
+    n = int(rows.sum())
+    if n == 0:
+        return logits.sum() * 0.0, 0
+    q_log = torch.log_softmax(logits[rows].float(), dim=-1)
+    p_log = p_log[rows]
+    if kind == "kl":
+        per_row = (p_log.exp() * (p_log - q_log)).sum(-1)
+    elif kind == "ce_masked":
+        per_row = -(p_log.exp() * q_log).sum(-1)
+    else:
+        raise ValueError(f"loss {kind!r}: choose one of {LOSSES}")
+    return per_row.mean(), n
+
+
+@dataclass
+class ChainCounts:
+    """Sums over rows (additive across batches and ranks): per step k, valid rows, rows accepted through k
+    (``full``), rows whose earlier steps were accepted (``cond_total``) and of those accepted at k (``cond``)."""
+    steps: int
+    valid: list = field(default_factory=list)
+    full: list = field(default_factory=list)
+    cond_total: list = field(default_factory=list)
+    cond: list = field(default_factory=list)
+    loss_sum: list = field(default_factory=list)
+    loss_rows: list = field(default_factory=list)
+    baseline_hits: float = 0.0  # step 0 rows whose target token is the most frequent training token
+    greedy_path: float = 0.0  # step 0 rows where the data's next token is the target's greedy token
+
+    def __post_init__(self):
+        for name in ("valid", "full", "cond_total", "cond", "loss_sum", "loss_rows"):
+            if not getattr(self, name):
+                setattr(self, name, [0.0] * self.steps)
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.valid + self.full + self.cond_total + self.cond + self.loss_sum + self.loss_rows
+                            + [self.baseline_hits, self.greedy_path], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, steps: int, t: torch.Tensor) -> "ChainCounts":
+        v = t.tolist()
+        parts = [v[i * steps:(i + 1) * steps] for i in range(6)]
+        return cls(steps, *parts, baseline_hits=v[6 * steps], greedy_path=v[6 * steps + 1])
+
+    def add(self, other: "ChainCounts") -> None:
+        summed = ChainCounts.from_tensor(self.steps, self.as_tensor() + other.as_tensor())
+        self.__dict__.update(summed.__dict__)
+
+    def metrics(self, prefix: str = "") -> dict:
+        """acc_k (accepted through k), cond_acc_k, loss_k, tau_n for n = 1..steps, and the baselines."""
+        out = {}
+        cum = 1.0
+        tau = 1.0
+        for k in range(self.steps):
+            cond = self.cond[k] / self.cond_total[k] if self.cond_total[k] else 0.0
+            out[f"{prefix}acc_pos{k}"] = self.full[k] / self.valid[k] if self.valid[k] else 0.0
+            out[f"{prefix}cond_acc_pos{k}"] = cond
+            if self.loss_rows[k]:
+                out[f"{prefix}loss_pos{k}"] = self.loss_sum[k] / self.loss_rows[k]
+            cum *= cond
+            tau += cum
+            out[f"{prefix}tau_{k + 1}"] = tau
+        rows0 = self.valid[0]
+        out[f"{prefix}baseline_acc_pos0"] = self.baseline_hits / rows0 if rows0 else 0.0
+        out[f"{prefix}greedy_path_fraction"] = self.greedy_path / rows0 if rows0 else 0.0
+        out[f"{prefix}rows"] = int(rows0)
+        return out
+
+
+def chain_counts(step_logits, t: Teacher, loss_mask, doc_ids, input_ids, vocab_ids: torch.Tensor,
+                 most_frequent: int, losses=None) -> ChainCounts:
+    """Acceptance counts of one packed row; ``losses``: optional (loss, rows) per step to add in."""
+    c = ChainCounts(len(step_logits))
+    accepted = None
+    for k, logits in enumerate(step_logits):
+        valid = valid_rows(loss_mask, doc_ids, k)
+        proposed = vocab_ids[logits.argmax(-1)]
+        correct = proposed == shifted(t.token, k, -1)
+        before = valid if accepted is None else valid & accepted
+        accepted = correct if accepted is None else accepted & correct
+        c.valid[k] = float(valid.sum())
+        c.full[k] = float((accepted & valid).sum())
+        c.cond_total[k] = float(before.sum())
+        c.cond[k] = float((before & correct).sum())
+        if losses is not None:
+            loss, n = losses[k]
+            c.loss_sum[k], c.loss_rows[k] = float(loss) * n, float(n)
+        if k == 0:
+            c.baseline_hits = float(((t.token == most_frequent) & valid).sum())
+            c.greedy_path = float(((shifted(input_ids, 1, -1) == t.token) & valid).sum())
+    return c

@@ -1,0 +1,539 @@
+"""``eagle3kit train``: an EAGLE-3 drafter from a captured data set, checkpointed, resumable, evaluated held out.
+
+<out_dir>/
+  train.json            the settings (a resume with other settings is refused)
+  vocab.pt              the draft vocabulary (ids) and the loss-token frequencies it was chosen from
+  checkpoints/last.pt   trainable weights, optimizer, schedule, RNG, data position: an exact resume point
+  best/                 SGLang export (LlamaForCausalLMEagle3) of the checkpoint with the best held-out tau
+  final/                SGLang export at the end
+  evals.jsonl           one line per held-out evaluation: per-position acc / cond. acc / loss, tau(n)
+  train_log.jsonl       one line per optimizer step: loss and accuracy per TTT position, lr, tokens/s
+  metrics.json          the summary (flat): train_tokens_per_s, train_acc_pos0 (held out), offline_tau, ...
+
+Data parallel: run under ``torchrun --nproc-per-node N`` (nccl on GPUs, gloo on CPUs); rank r takes batches
+j % N == r, so N ranks with ``grad_accum`` a see the same global batches as one rank with ``grad_accum`` N * a.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from eagle3kit.drafter import data as D
+from eagle3kit.drafter import vocab as V
+from eagle3kit.drafter.objective import LOSSES, ChainCounts, chain_counts, step_loss, teacher, valid_rows
+
+RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "eval_every", "max_minutes"}  # may differ on a resume
+
+
+class TrainError(ValueError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    data: str  # eagle3kit data set (train split) or speculators export
+    out_dir: str
+    heldout: str | None = None  # None: the data set's held-out split
+    target: str | None = None  # None: the target the data set was captured from
+    aux_layer_ids: list[int] | None = None  # input_of_layer; only for sources that do not record them
+    draft_vocab_size: int = 32000
+    num_layers: int = 1
+    ttt_steps: int = 7
+    step_decay: float = 0.8  # weight of TTT step k: step_decay ** k (speculators 1.0, SpecForge/EAGLE 0.8)
+    loss: str = "ce_masked"  # ce_masked (SpecForge/EAGLE) or kl (speculators)
+    lm_head: str = "trained"  # trained (SpecForge/EAGLE) or frozen to the target's rows (speculators)
+    fc_norm: bool = False
+    norm_output: bool = False
+    allow_post_norm_final: bool = False  # only to reproduce the mistake on purpose (acceptance experiment)
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.02
+    min_lr_ratio: float = 0.05
+    grad_clip: float = 0.5
+    epochs: int = 1
+    max_steps: int = 0  # 0: the epochs decide
+    tokens_per_batch: int = 8192  # rows per micro-batch per rank (samples packed; a longer one is cut)
+    grad_accum: int = 1
+    seed: int = 0
+    eval_every: int = 0  # optimizer steps; 0: at the end of each epoch
+    eval_steps: int = 0  # chain depth evaluated; 0: ttt_steps
+    serving_steps: int = 3  # the best checkpoint is chosen by held-out tau at this depth
+    save_every: int = 100
+    workers: int = 2
+    device: str = "auto"
+    progress: bool = True
+    max_minutes: float = 0.0  # wall-clock budget of this invocation; 0: none (stops after an evaluation and a save)
+
+    def validate(self) -> "TrainConfig":
+        def need(ok, what):
+            if not ok:
+                raise TrainError(f"train setting {what}")
+        need(self.loss in LOSSES, f"loss={self.loss!r}: choose one of {LOSSES}")
+        need(self.lm_head in ("trained", "frozen"), f"lm_head={self.lm_head!r}: choose 'trained' or 'frozen'")
+        need(self.ttt_steps >= 1 and self.num_layers >= 1, "ttt_steps and num_layers must be >= 1")
+        need(self.serving_steps >= 1, "serving_steps must be >= 1")
+        need(self.ttt_steps >= self.serving_steps, f"ttt_steps={self.ttt_steps} < serving_steps={self.serving_steps}: "
+             f"positions past the TTT depth are never trained on the draft's own states; train at least as deep")
+        need(self.lr > 0 and 0 <= self.warmup_ratio < 1 and 0 <= self.min_lr_ratio <= 1, "lr > 0, warmup_ratio in "
+             "[0, 1), min_lr_ratio in [0, 1]")
+        need(self.tokens_per_batch >= 16 and self.grad_accum >= 1 and self.epochs >= 1 and self.max_steps >= 0,
+             "tokens_per_batch >= 16, grad_accum >= 1, epochs >= 1, max_steps >= 0")
+        need(0 < self.step_decay <= 1, "step_decay in (0, 1]")
+        need(self.draft_vocab_size >= 1, "draft_vocab_size >= 1")
+        return self
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise TrainError(f"unknown train settings {unknown}; known: {sorted(known)}")
+        return cls(**d).validate()
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Dist":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+        return t
+
+
+@dataclass
+class Run:
+    """Everything train() sets up: data, model, teacher, optimizer (a notebook can reuse it for evaluation)."""
+    cfg: TrainConfig
+    dist: Dist
+    device: torch.device
+    train_src: object
+    heldout_src: object | None
+    info: D.SourceInfo
+    target: Path
+    vocab: V.DraftVocab
+    freq: torch.Tensor
+    model: torch.nn.Module
+    head: torch.nn.Module
+    t2d_index: torch.Tensor
+    vocab_ids: torch.Tensor
+    most_frequent: int
+    extra: dict = field(default_factory=dict)
+
+
+def _device(cfg: TrainConfig, dist: Dist) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device(f"cuda:{dist.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(cfg.device)
+
+
+def _resolve_target(cfg: TrainConfig, info: D.SourceInfo) -> Path:
+    from eagle3kit.target import resolve_target
+
+    t = cfg.target or info.target
+    if not t:
+        raise TrainError(f"{cfg.data} does not say which target it was captured from: pass target=<model dir>")
+    return resolve_target(t)
+
+
+def _aux_ids(cfg: TrainConfig, info: D.SourceInfo, num_layers: int) -> list[int]:
+    recorded = info.layer_ids[:-1] if info.layer_ids else None
+    if recorded and info.layer_ids[-1] != num_layers:
+        raise TrainError(f"{cfg.data}: its last slot is layer id {info.layer_ids[-1]}, not the final state "
+                         f"({num_layers}): the drafter's teacher needs the last layer's output before the norm")
+    if cfg.aux_layer_ids and recorded and list(cfg.aux_layer_ids) != recorded:
+        raise TrainError(f"aux_layer_ids {cfg.aux_layer_ids} differ from the data set's {recorded}: the states are "
+                         f"what they are; leave aux_layer_ids unset")
+    ids = recorded or cfg.aux_layer_ids
+    if not ids:
+        raise TrainError(f"{cfg.data} does not record its layer ids: pass aux_layer_ids (input_of_layer)")
+    if info.n_states and len(ids) + 1 != info.n_states:
+        raise TrainError(f"{len(ids)} aux layer ids but the samples hold {info.n_states} states (aux + final)")
+    return list(ids)
+
+
+def _check_final_slot(cfg: TrainConfig, source, info: D.SourceInfo, head, probe: int = 4) -> None:
+    """The teacher applies the target's final norm to the last slot: it must hold the state *before* the norm.
+    Checked from the data set's settings and from the values of the first samples (``layers.post_norm_share``)."""
+    from eagle3kit.layers import post_norm_share
+
+    shares = [post_norm_share(source.load(i)["hidden_states"][:, -1], head.norm_weight) for i in
+              range(min(probe, len(source)))]
+    share = max(shares) if shares else 0.0
+    if (info.final_pre_norm is False or share > 0.5) and not cfg.allow_post_norm_final:
+        raise TrainError(f"{cfg.data}: the last slot holds the final norm's output (post-norm: "
+                         f"{share:.0%} of probed tokens have RMS(state / norm weight) = 1), but the teacher applies "
+                         f"the norm itself, so it would learn from logits of a twice-normed state. Fix: capture with "
+                         f"eagle3kit (its final slot is the last layer's output before the norm)")
+
+
+def count_frequencies(source, vocab_size: int) -> torch.Tensor:
+    freq = torch.zeros(vocab_size, dtype=torch.int64)
+    for i in range(len(source)):
+        ids, mask = source.tokens(i)
+        V.count_tokens(ids, mask, vocab_size, freq)
+    return freq
+
+
+def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
+    from eagle3kit.drafter.model import TargetHead, build
+    from eagle3kit.target import TargetInfo
+
+    cfg.validate()
+    dist = dist or Dist.from_env()
+    device = _device(cfg, dist)
+    train_src = D.open_source(cfg.data, "train")
+    if len(train_src) == 0:
+        raise TrainError(f"{cfg.data}: no training samples (split 'train' is empty). Fix: extract more samples")
+    heldout_src = D.open_source(cfg.heldout, None) if cfg.heldout else \
+        (D.CaptureSource(cfg.data, "heldout") if isinstance(train_src, D.CaptureSource) else None)
+    if heldout_src is not None and len(heldout_src) == 0:
+        heldout_src = None
+    info = train_src.info()
+    target = _resolve_target(cfg, info)
+    tinfo = TargetInfo.read(target)
+    if info.hidden_size and info.hidden_size != tinfo.hidden_size:
+        raise TrainError(f"{cfg.data} holds hidden size {info.hidden_size}, the target {target} has "
+                         f"{tinfo.hidden_size}: wrong target")
+    aux = _aux_ids(cfg, info, tinfo.num_layers)
+    info.n_states = len(aux) + 1
+    info.hidden_size = tinfo.hidden_size
+    head = TargetHead.from_target(target)
+    _check_final_slot(cfg, train_src, info, head)
+    out = Path(cfg.out_dir)
+    vocab_file = out / "vocab.pt"
+    if vocab_file.exists():
+        st = torch.load(vocab_file, weights_only=True)
+        vocab, freq = V.DraftVocab.from_state(st), st["freq"]
+    else:
+        freq = count_frequencies(train_src, tinfo.vocab_size)
+        vocab = V.build(freq, min(cfg.draft_vocab_size, tinfo.vocab_size))
+        if dist.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            _atomic_save({**vocab.state(), "freq": freq}, vocab_file)
+    model = build(target, aux, vocab, cfg.num_layers, cfg.fc_norm, cfg.norm_output,
+                  train_lm_head=cfg.lm_head == "trained", ttt_steps=cfg.ttt_steps).to(device)
+    head = head.to(device)
+    if device.type == "cpu":
+        head = head.float()
+    return Run(cfg, dist, device, train_src, heldout_src, info, target, vocab, freq, model, head,
+               vocab.target_to_draft().to(device), vocab.ids.to(device), int(torch.argmax(freq)),
+               extra={"aux_layer_ids": aux, "num_layers": tinfo.num_layers, "model_type": tinfo.model_type})
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _autocast(device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = True):
+    """TTT forward of one packed batch: (weighted loss, ChainCounts)."""
+    cfg = run.cfg
+    b = _to(batch, run.device)
+    t = teacher(run.head, b["final"], run.vocab_ids, run.t2d_index)
+    with _autocast(run.device):
+        step_logits = module(b["aux"], b["input_ids"], b["doc_ids"], b["position_ids"], steps)
+    losses, total = [], None
+    for k, logits in enumerate(step_logits):
+        lk, n = step_loss(logits, t, valid_rows(b["loss_mask"], b["doc_ids"], k), k, cfg.loss)
+        losses.append((lk.detach(), n))
+        if with_loss:
+            term = lk * (cfg.step_decay ** k)
+            total = term if total is None else total + term
+    with torch.no_grad():
+        counts = chain_counts([x.detach() for x in step_logits], t, b["loss_mask"], b["doc_ids"], b["input_ids"],
+                              run.vocab_ids, run.most_frequent, losses)
+    return total, counts
+
+
+@torch.no_grad()
+def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int | None = None) -> ChainCounts:
+    """Chained acceptance over a held-out source (every rank its share; counts summed over ranks)."""
+    source = source if source is not None else run.heldout_src
+    steps = steps or run.cfg.eval_steps or run.cfg.ttt_steps
+    counts = ChainCounts(steps)
+    if source is None:
+        return counts
+    from eagle3kit.drafter.ttt import TTTModule
+
+    module = TTTModule(run.model)
+    was = run.model.training
+    run.model.eval()
+    batches = D.plan([source.length(i) for i in range(len(source))], run.cfg.tokens_per_batch, None)
+    if max_batches:
+        batches = batches[:max_batches]
+    for _, batch, _ in D.loader(source, batches, run.info.n_states, run.info.hidden_size, run.cfg.tokens_per_batch,
+                                rank=run.dist.rank, world=run.dist.world, workers=0):
+        if batch is not None:
+            counts.add(forward_batch(run, module, batch, steps, with_loss=False)[1])
+    run.model.train(was)
+    total = run.dist.all_sum(counts.as_tensor().to(run.device)).cpu()
+    return ChainCounts.from_tensor(steps, total)
+
+
+def _schedule(cfg: TrainConfig, total_steps: int):
+    warmup = max(1, math.ceil(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        p = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    return factor
+
+
+def _rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _settings(cfg: TrainConfig) -> dict:
+    return {k: v for k, v in asdict(cfg).items() if k not in RESUMABLE_CHANGES}
+
+
+def _check_resume(out: Path, cfg: TrainConfig) -> None:
+    path = out / "train.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = {k: (old.get(k), v) for k, v in _settings(cfg).items() if old.get(k) != v}
+        if diff:
+            raise TrainError(f"{out} holds a run with other settings {diff} (old, new). Fix: resume with the same "
+                             f"settings, or choose a new out_dir; nothing in {out} was changed")
+
+
+def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
+    """Train (or resume) and return the summary written to ``<out_dir>/metrics.json``."""
+    from eagle3kit.drafter.export import to_sglang
+    from eagle3kit.drafter.model import trainable_state
+    from eagle3kit.drafter.ttt import TTTModule
+
+    cfg.validate()
+    dist = dist or Dist.from_env()
+    out = Path(cfg.out_dir)
+    _check_resume(out, cfg)
+    if dist.world > 1:
+        import torch.distributed as tdist
+
+        if not tdist.is_initialized():
+            tdist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    run = setup(cfg, dist)
+    if dist.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train.json").write_text(json.dumps(_settings(cfg), indent=1, sort_keys=True))
+    lengths = [run.train_src.length(i) for i in range(len(run.train_src))]
+    per_step = dist.world * cfg.grad_accum
+    steps_per_epoch = len(D.plan(lengths, cfg.tokens_per_batch, cfg.seed, 0)) // per_step
+    if steps_per_epoch == 0:
+        raise TrainError(f"{len(lengths)} training samples make fewer packed batches than one optimizer step needs "
+                         f"({per_step}): lower tokens_per_batch or grad_accum, or extract more samples")
+    total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg, total_steps))
+    module = TTTModule(run.model)
+    if dist.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        module = DDP(module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    state = {"step": 0, "tokens": 0, "train_seconds": 0.0, "best_tau": -1.0, "best": {}, "skipped": 0,
+             "total_steps": total_steps}
+    ckpt = out / "checkpoints" / "last.pt"
+    if ckpt.exists():
+        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+        run.model.load_state_dict(saved["model"], strict=False)
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        _set_rng(saved["rng"])
+        state = saved["state"]
+        state.pop("stopped_early", None)  # a run stopped by max_minutes goes on when resumed
+        print(f"[train] resumed from {ckpt} at step {state['step']} of {total_steps}", flush=True)
+    eval_steps = cfg.eval_steps or cfg.ttt_steps
+    bar = None
+    if cfg.progress and dist.rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_steps, initial=state["step"], unit="step", desc="train", smoothing=0.05)
+
+    def save():
+        if dist.rank != 0:
+            return
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_save({"model": trainable_state(run.model), "optimizer": opt.state_dict(),
+                      "scheduler": sched.state_dict(), "rng": _rng_state(), "state": state}, ckpt)
+
+    def log(name, row):
+        if dist.rank == 0:
+            with open(out / name, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def do_eval():
+        counts = evaluate(run, eval_steps)
+        m = counts.metrics("heldout_")
+        row = {"step": state["step"], "tokens": state["tokens"], **m}
+        log("evals.jsonl", row)
+        tau = m.get(f"heldout_tau_{cfg.serving_steps}", 0.0) if counts.valid[0] else -state["step"]
+        if tau > state["best_tau"] and dist.rank == 0:
+            state["best_tau"], state["best"] = tau, row
+            export(run, out / "best", extra={"step": state["step"], "heldout": m})
+        return m
+
+    if state["step"] == 0 and not ckpt.exists():
+        state["initial"] = do_eval()  # the untrained drafter: what "held-out loss fell" is measured against
+    run.model.train()
+    t_start = time.time()
+    while state["step"] < total_steps and not state.get("stopped_early"):
+        epoch, in_epoch = divmod(state["step"], steps_per_epoch)
+        batches = D.plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch)[: steps_per_epoch * per_step]
+        it = iter(D.loader(run.train_src, batches, run.info.n_states, run.info.hidden_size, cfg.tokens_per_batch,
+                           start=in_epoch * per_step, rank=dist.rank, world=dist.world, workers=cfg.workers,
+                           pin=run.device.type == "cuda"))
+        for _ in range(in_epoch, steps_per_epoch):
+            if state["step"] >= total_steps:
+                break
+            t0 = time.perf_counter()
+            counts = ChainCounts(cfg.ttt_steps)
+            rows = 0
+            for micro in range(cfg.grad_accum):
+                _, batch, skipped = next(it)
+                state["skipped"] += len(skipped)
+                for s in skipped[:3]:
+                    print(f"[train] skipped {s}", flush=True)
+                if batch is None:
+                    batch = _empty_batch(run)
+                sync = dist.world == 1 or micro == cfg.grad_accum - 1
+                ctx = module.no_sync() if not sync and hasattr(module, "no_sync") else _null()
+                with ctx:
+                    loss, c = forward_batch(run, module, batch, cfg.ttt_steps)
+                    (loss / cfg.grad_accum).backward()
+                counts.add(c)
+                rows += int(batch["input_ids"].shape[0])
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if run.device.type == "cuda":
+                torch.cuda.synchronize(run.device)
+            dt = time.perf_counter() - t0
+            rows = int(dist.all_sum(torch.tensor([rows], device=run.device)).item()) if dist.world > 1 else rows
+            state["step"] += 1
+            state["tokens"] += rows
+            state["train_seconds"] += dt
+            m = counts.metrics()
+            row = {"step": state["step"], "epoch": epoch, "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm),
+                   "tokens_per_s": rows / dt if dt else 0.0,
+                   **{k: v for k, v in m.items() if k.startswith(("loss_pos", "acc_pos", "cond_acc_pos"))}}
+            log("train_log.jsonl", row)
+            if bar is not None:
+                bar.set_postfix(loss=f"{m.get('loss_pos0', 0):.3f}", acc0=f"{m['acc_pos0']:.3f}",
+                                tok_s=f"{state['tokens'] / max(state['train_seconds'], 1e-9):,.0f}", refresh=False)
+                bar.update(1)
+            end_of_epoch = state["step"] % steps_per_epoch == 0
+            if (cfg.eval_every and state["step"] % cfg.eval_every == 0) or (not cfg.eval_every and end_of_epoch) \
+                    or state["step"] == total_steps:
+                do_eval()
+            out_of_time = cfg.max_minutes and time.time() - t_start > 60 * cfg.max_minutes
+            if out_of_time and state["step"] < total_steps:
+                state["stopped_early"] = True
+                print(f"[train] max_minutes={cfg.max_minutes} reached at step {state['step']} of {total_steps}",
+                      flush=True)
+                do_eval()
+                save()
+                break
+            if state["step"] % cfg.save_every == 0 or state["step"] == total_steps:
+                save()
+    if bar is not None:
+        bar.close()
+    if dist.rank == 0:
+        export(run, out / "final", extra={"step": state["step"]})
+    summary = _summary(run, state, lengths)
+    if dist.rank == 0:
+        (out / "metrics.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
+    return summary
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _empty_batch(run: Run) -> dict:
+    """One row that no loss or count sees (all samples of a batch were skipped): keeps DDP ranks in step."""
+    n, h = run.info.n_states, run.info.hidden_size
+    return {"aux": torch.zeros(1, (n - 1) * h), "final": torch.zeros(1, h), "input_ids": torch.zeros(1, dtype=torch.int64),
+            "loss_mask": torch.zeros(1, dtype=torch.int64), "doc_ids": torch.zeros(1, dtype=torch.int64),
+            "position_ids": torch.ones(1, dtype=torch.int64)}
+
+
+def export(run: Run, dest: Path, extra: dict | None = None) -> Path:
+    from eagle3kit.drafter.export import to_sglang
+
+    return to_sglang(run.model, run.vocab, dest, run.target, run.extra["aux_layer_ids"],
+                     provenance={"data": str(run.cfg.data), "train": asdict(run.cfg),
+                                 "final_pre_norm": run.info.final_pre_norm is not False,
+                                 "most_frequent_token": run.most_frequent, **(extra or {})})
+
+
+def _summary(run: Run, state: dict, lengths: list[int]) -> dict:
+    cfg = run.cfg
+    best = state.get("best") or {}
+    s = {"train_samples": len(lengths), "train_tokens": int(sum(lengths)), "train_tokens_seen": state["tokens"],
+         "train_steps": state["step"], "train_seconds": state["train_seconds"],
+         "train_tokens_per_s": state["tokens"] / state["train_seconds"] if state["train_seconds"] else 0.0,
+         "train_samples_skipped": state["skipped"], "train_ttt_steps": cfg.ttt_steps, "train_loss": cfg.loss,
+         "train_lm_head": cfg.lm_head, "train_step_decay": cfg.step_decay, "draft_vocab_size": run.vocab.size,
+         "draft_vocab_coverage": run.vocab.coverage(run.freq), "heldout_samples": len(run.heldout_src or []),
+         "best_step": best.get("step", 0), "train_total_steps_planned": state.get("total_steps", 0),
+         "train_stopped_early": bool(state.get("stopped_early"))}
+    for k, v in best.items():
+        if k.startswith("heldout_"):
+            s[k] = v
+    init = state.get("initial") or {}
+    if "heldout_loss_pos0" in init:
+        s["initial_heldout_loss_pos0"] = init["heldout_loss_pos0"]
+        s["initial_heldout_acc_pos0"] = init["heldout_acc_pos0"]
+    if best:
+        s["train_acc_pos0"] = best.get("heldout_acc_pos0", 0.0)
+        s["baseline_acc_pos0"] = best.get("heldout_baseline_acc_pos0", 0.0)
+        s["offline_tau"] = best.get(f"heldout_tau_{cfg.serving_steps}", 0.0)
+    return s

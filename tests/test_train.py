@@ -1,0 +1,139 @@
+"""Drafter training on real captured data (CPU): exact resume after a real kill, two gloo ranks = one rank with the
+same global batch, the final-slot check, refusals, and the export loaded back."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from eagle3kit.drafter.train import TrainConfig, TrainError, train
+from tests.conftest import ROOT
+
+TINY = {"draft_vocab_size": 512, "ttt_steps": 2, "serving_steps": 2, "tokens_per_batch": 256, "workers": 0,
+        "progress": False, "lr": 1e-3}
+
+
+def _cli(data, out, extra=(), torchrun=0):
+    sets = [a for k, v in {**TINY, **dict(extra)}.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port",
+            "29533", "-m", "eagle3kit.cli"] if torchrun else [sys.executable, "-m", "eagle3kit.cli"]
+    return [*head, "train", "--data", str(data), "--out", str(out), *sets]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+
+
+def _weights(out):
+    return torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
+    extra = {"max_steps": 14, "save_every": 2, "eval_every": 7}
+    whole = tmp_path / "whole"
+    subprocess.run(_cli(small_dataset, whole, extra), check=True, env=_env(), capture_output=True, timeout=900)
+    cut = tmp_path / "cut"
+    p = subprocess.Popen(_cli(small_dataset, cut, extra), env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    ckpt, killed_at = cut / "checkpoints" / "last.pt", None
+    deadline = time.time() + 600
+    while time.time() < deadline and p.poll() is None:
+        if ckpt.exists():
+            step = torch.load(ckpt, map_location="cpu", weights_only=False)["state"]["step"]
+            if step >= 4:
+                p.send_signal(signal.SIGKILL)
+                killed_at = step
+                break
+        time.sleep(0.05)
+    p.wait()
+    assert killed_at is not None and killed_at < 14 and not (cut / "metrics.json").exists(), "not interrupted"
+    r = subprocess.run(_cli(small_dataset, cut, extra), env=_env(), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed from" in r.stdout
+    a, b = _weights(whole), _weights(cut)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    m = json.loads((cut / "metrics.json").read_text())
+    assert m["train_steps"] == 14
+
+
+def test_two_gloo_ranks_equal_one_rank_with_the_same_global_batch(small_dataset, tmp_path):
+    extra = {"max_steps": 6, "save_every": 6}
+    one, two = tmp_path / "one", tmp_path / "two"
+    subprocess.run(_cli(small_dataset, one, {**extra, "grad_accum": 2}), check=True, env=_env(), capture_output=True,
+                   timeout=900)
+    r = subprocess.run(_cli(small_dataset, two, {**extra, "grad_accum": 1}, torchrun=2), env=_env(),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _weights(one), _weights(two)
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), (k, (a[k] - b[k]).abs().max())
+    moved = max((a[k] - b[k]).abs().max().item() for k in a)
+    start = json.loads((one / "metrics.json").read_text())
+    assert start["train_steps"] == 6 and json.loads((two / "metrics.json").read_text())["train_tokens_seen"] == \
+        start["train_tokens_seen"], "both runs must see the same global batches"
+    assert moved < 1e-4
+
+
+def test_training_learns_and_exports_what_was_trained(small_dataset, tmp_path):
+    from eagle3kit.doctor import diagnose
+    from eagle3kit.drafter import data as D
+    from eagle3kit.drafter.export import load_sglang_export
+    from eagle3kit.drafter.ttt import draft_steps
+
+    out = tmp_path / "run"
+    s = train(TrainConfig(data=str(small_dataset), out_dir=str(out), epochs=4, **TINY))
+    assert s["heldout_loss_pos0"] < s["initial_heldout_loss_pos0"]
+    assert s["train_acc_pos0"] > s["baseline_acc_pos0"]
+    model, cfg, meta = load_sglang_export(out / "final")
+    trained, _, _ = load_sglang_export(out / "final")
+    trained.load_state_dict(_weights(out), strict=False)
+    src = D.CaptureSource(small_dataset, "heldout")
+    b = D.collate([D.align(src.load(0), 4, 576, 128)])
+    with torch.no_grad():
+        x = next(draft_steps(model.float(), b["aux"].float(), b["input_ids"], b["doc_ids"], b["position_ids"], 1))
+        y = next(draft_steps(trained.float(), b["aux"].float(), b["input_ids"], b["doc_ids"], b["position_ids"], 1))
+    assert ((x - y).norm(dim=-1) / y.norm(dim=-1)).max() < 0.05  # bf16 export of the fp32 weights
+    assert diagnose(out / "best").ok
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+
+
+def test_final_slot_must_be_pre_norm(small_dataset, tmp_path, target_path):
+    """On the real files: the capture's last slot is the state before the final norm (speculators applies the norm);
+    a post-norm data set is refused by the trainer and flagged by the doctor."""
+    from eagle3kit.doctor import check_data
+    from eagle3kit.drafter import data as D
+    from eagle3kit.drafter.model import TargetHead
+    from eagle3kit.layers import post_norm_share
+    from eagle3kit.store import derive
+
+    head = TargetHead.from_target(target_path)
+    s = D.CaptureSource(small_dataset, None).load(0)
+    assert post_norm_share(s["hidden_states"][:, -1], head.norm_weight) < 0.05
+    assert post_norm_share(s["final_normed"], head.norm_weight) > 0.95
+    torch.testing.assert_close(head.norm(s["hidden_states"][:, -1].float()), s["final_normed"].float(),
+                               rtol=0.02, atol=0.05)
+    post = tmp_path / "post"
+    derive(small_dataset, post, final_slot="post_norm")
+    with pytest.raises(TrainError, match="post-norm"):
+        train(TrainConfig(data=str(post), out_dir=str(tmp_path / "t"), max_steps=1, **TINY))
+    assert not check_data(post, str(target_path)).ok and check_data(small_dataset, str(target_path)).ok
+
+
+def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
+    out = tmp_path / "r"
+    train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=1, **TINY))
+    with pytest.raises(TrainError, match="other settings"):
+        train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=1, **{**TINY, "lr": 5e-4}))
+
+
+@pytest.mark.parametrize("bad", [{"loss": "mse"}, {"lm_head": "tied"}, {"ttt_steps": 2, "serving_steps": 3},
+                                 {"tokens_per_batch": 4}, {"step_decay": 0}])
+def test_bad_settings_are_refused(bad, small_dataset, tmp_path):
+    with pytest.raises(TrainError):
+        TrainConfig.from_dict({"data": str(small_dataset), "out_dir": str(tmp_path), **{**TINY, **bad}})
