@@ -29,14 +29,18 @@ def _has(args: list[str], *flags: str) -> bool:
 
 
 def server_command(model_path, port: int = 30000, host: str = "127.0.0.1", capture: dict | None = None,
-                   extra_args=(), layer_module: str = "model.layers.{}", python: str = sys.executable) -> list[str]:
+                   extra_args=(), layer_module: str = "model.layers.{}", python: str = sys.executable,
+                   hooks: list[dict] | None = None) -> list[str]:
+    """``hooks``: more ``--forward-hooks`` specs beside the capture's (e.g. ``acceptance.drafthook``)."""
     extra = list(extra_args)
     for flag in ("--model-path", "--port", "--host", "--forward-hooks"):
         if _has(extra, flag):
             raise ServerError(f"extra_args sets {flag}: eagle3kit sets it; pass it through the matching parameter")
     cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port)]
+    specs = (forward_hooks(capture, layer_module) if capture is not None else []) + list(hooks or [])
+    if specs:
+        cmd += ["--forward-hooks", dumps(specs)]
     if capture is not None:
-        cmd += ["--forward-hooks", dumps(forward_hooks(capture, layer_module))]
         if not _has(extra, "--disable-cuda-graph", "--cuda-graph-backend-prefill", "--disable-piecewise-cuda-graph"):
             cmd += ["--disable-cuda-graph"]
         info = TargetInfo.read(Path(model_path))
@@ -50,8 +54,8 @@ class SGLangServer:
 
     def __init__(self, model_path, port: int = 30000, host: str = "127.0.0.1", capture: dict | None = None,
                  extra_args=(), log_path=None, layer_module: str = "model.layers.{}", env: dict | None = None,
-                 startup_timeout: float = 600):
-        self.cmd = server_command(model_path, port, host, capture, extra_args, layer_module)
+                 startup_timeout: float = 600, hooks: list[dict] | None = None):
+        self.cmd = server_command(model_path, port, host, capture, extra_args, layer_module, hooks=hooks)
         self.url = f"http://{host}:{port}"
         self.capture = capture
         self.log_path = Path(log_path or f"sglang-{port}.log")

@@ -1,0 +1,130 @@
+"""``eagle3kit compare RUN...`` and notebook 06: the metrics.json of any set of runs side by side.
+
+A run is a folder (a pipeline run of ``eagle3kit run``, a training out_dir, a GPU record: the metrics.json files
+under it merged into one row, named by the folder) or one metrics.json file. The table shows what makes experiments
+differ (data, engine, layers, storage, loss, TTT, serving setting) beside what they reached (held-out accuracy,
+offline tau, online accept length, speedup, break-even); the plots draw accept length and speedup against the
+number of draft steps for every run that has a sweep, and offline tau by run.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage", "train_loss", "train_ttt_steps",
+           "train_lm_head", "train_samples", "train_tokens", "train_acc_pos0", "baseline_acc_pos0", "offline_tau",
+           "online_accept_length", "online_speedup", "breakeven_accept_length", "negative_control_accept_length",
+           "engine_control_accept_length", "fp8_accept_rel_diff"]
+
+
+def _row(path: Path) -> dict | None:
+    """A run's figures: a metrics.json, or every metrics.json under a folder merged (the deepest first, so a run's
+    own summary wins over its steps')."""
+    files = [path] if path.is_file() else sorted(path.rglob("metrics.json"), key=lambda f: -len(f.parts))
+    m: dict = {}
+    for f in files:
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict):
+            m.update(d)
+    if not any(k in m for k in ("offline_tau", "online_accept_length", "train_acc_pos0")):
+        return None
+    return {"run": path.parent.name if path.is_file() else path.name, "_path": str(path), **m}
+
+
+def collect(paths) -> list[dict]:
+    """One row per path given (a folder: its metrics.json files merged)."""
+    rows = []
+    for p in map(Path, paths):
+        r = _row(p) if p.exists() else None
+        if r is not None:
+            rows.append(r)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    from eagle3kit.plots import table as fmt
+
+    cols = [c for c in COLUMNS if any(c in r for r in rows)]
+    return fmt([{c: r.get(c, "") for c in cols} for r in rows], cols, floatfmt="{:.3f}")
+
+
+def sweep(row: dict, kind: str) -> list[tuple[int, float]]:
+    """(steps, value) of a run's chain sweep: kind 'accept' (online), 'speedup' or 'offline'."""
+    pat = {"accept": r"steps(\d+)_accept_length$", "speedup": r"steps(\d+)_speedup$",
+           "offline": r"offline_tau_steps(\d+)$"}[kind]
+    pts = sorted((int(m.group(1)), v) for k, v in row.items() if (m := re.match(pat, k)) and isinstance(v, (int, float)))
+    return pts
+
+
+def plot(rows: list[dict], path=None):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    a, b, c = axes
+    for r in rows:
+        on, off, sp = sweep(r, "accept"), sweep(r, "offline"), sweep(r, "speedup")
+        if on:
+            a.plot(*zip(*on), "o-", label=f"{r['run']} online")
+        if off:
+            a.plot(*zip(*off), "x--", label=f"{r['run']} offline")
+        if sp:
+            b.plot(*zip(*sp), "o-", label=r["run"])
+            if r.get("breakeven_accept_length"):
+                b.annotate(f"break-even accept {r['breakeven_accept_length']:.2f} (3 steps)", (0.02, 0.92),
+                           xycoords="axes fraction", fontsize=7)
+    a.set(xlabel="draft steps (chain)", ylabel="accept length (tokens / verify)", title="accept length vs steps")
+    b.axhline(1.0, color="grey", ls=":", lw=1)
+    b.set(xlabel="draft steps (chain)", ylabel="speedup vs plain, batch 1", title="speedup vs steps")
+    names = [r["run"] for r in rows]
+    taus = [r.get("offline_tau", 0) or 0 for r in rows]
+    onl = [r.get("online_accept_length", 0) or 0 for r in rows]
+    x = range(len(rows))
+    c.bar([i - 0.2 for i in x], taus, 0.4, label="offline tau (3 steps)")
+    c.bar([i + 0.2 for i in x], onl, 0.4, label="online accept length (3 steps)")
+    c.set_xticks(list(x), names, rotation=30, ha="right", fontsize=7)
+    c.set(ylabel="tokens per verify", title="offline vs online by run")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    if path:
+        fig.savefig(Path(path), dpi=110, bbox_inches="tight")
+    return fig
+
+
+def controls_plot(m: dict, title: str, path=None):
+    """One run's accept length per experiment: the trained drafter against each mistake."""
+    import matplotlib.pyplot as plt
+
+    items = [("trained (SGLang states)", m.get("online_accept_length")),
+             ("layer ids off by one", m.get("negative_control_accept_length")),
+             ("final slot post-norm", m.get("postnorm_accept_length")),
+             ("states from transformers", m.get("engine_accept_length")),
+             ("fp8 storage", m.get("fp8_accept_length")),
+             ("original replies", m.get("original_accept_length")),
+             ("lm_head frozen", m.get("frozen_head_accept_length"))]
+    items = [(k, v) for k, v in items if v is not None]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="#4c72b0")
+    if m.get("breakeven_accept_length"):
+        ax.axvline(m["breakeven_accept_length"], color="#c44e52", ls="--", lw=1, label="break-even (batch 1)")
+        ax.legend(fontsize=7)
+    ax.axvline(1.0, color="grey", ls=":", lw=1)
+    ax.set_xlabel("online accept length in SGLang (3 steps, topk 1, 4 draft tokens)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    if path:
+        fig.savefig(Path(path), dpi=110, bbox_inches="tight")
+    return fig
+
+
+def write_report(rows: list[dict], out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(rows)
+    (out / "compare.txt").write_text(text + "\n")
+    plot(rows, out / "compare.png")
+    return f"{text}\n\nwritten: {out / 'compare.txt'}, {out / 'compare.png'}"

@@ -1,0 +1,273 @@
+"""The online experiment of notebook 05: every drafter and setting served by SGLang on one GPU, measured against
+the plain target with the same prompts in the same run, plus the load proof and the doctor's check in SGLang.
+
+Servers (all started at once, measured one at a time; see ``online.shared_gpu_args``):
+  plain                     the target alone (SGLang's defaults otherwise)
+  main                      the trained drafter at (steps, topk, draft tokens) = serving (default 3, 1, 4)
+  steps<n>                  the same drafter, chain of n steps (n, 1, n + 1), the sweep
+  tree<s>x<k>x<t>           the same drafter as a tree (SGLang's own default for Llama targets is 5, 4, 8)
+  <control>                 other drafters (trained on other data) at the serving setting
+  offbyone                  the main drafter exported with layer ids off by one (negative control), draft hooks on
+  proof                     the main drafter, CUDA graphs off, draft hooks on: load proof and fed layers
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3kit.acceptance import online
+
+
+@dataclass
+class OnlinePlan:
+    target: str
+    drafter: str  # the main drafter's SGLang export
+    controls: dict = field(default_factory=dict)  # name -> SGLang export
+    serving: tuple = (3, 1, 4)
+    sweep_steps: tuple = (1, 2, 3, 4, 5, 6, 7)
+    trees: tuple = ((5, 4, 8),)
+    offbyone: bool = True
+    proof: bool = True
+    concurrencies: tuple = (1, 8, 32)
+    prompts_per_conc: dict = field(default_factory=lambda: {1: 16, 8: 64, 32: 128})
+    max_new_tokens: int = 256
+    rounds: int = 2
+    server_args: tuple = ("--attention-backend", "triton", "--sampling-backend", "pytorch")
+
+
+def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
+    from eagle3kit.acceptance.drafthook import draft_hooks
+
+    s, t, d = plan.serving
+    out = [online.Serving("plain"), online.Serving("main", plan.drafter, s, t, d)]
+    out += [online.Serving(f"steps{n}", plan.drafter, n, 1, n + 1) for n in plan.sweep_steps if (n, 1, n + 1) != (s, t, d)]
+    out += [online.Serving(f"tree{a}x{b}x{c}", plan.drafter, a, b, c) for a, b, c in plan.trees]
+    out += [online.Serving(name, path, s, t, d) for name, path in plan.controls.items()]
+    if plan.offbyone:
+        out.append(online.Serving("offbyone", str(work / "offbyone"), s, t, d, hooks=draft_hooks(work / "hooks-offbyone")))
+    if plan.proof:
+        out.append(online.Serving("proof", plan.drafter, s, t, d, extra_args=["--disable-cuda-graph"],
+                                  hooks=draft_hooks(work / "hooks-proof")))
+    return out
+
+
+def export_offbyone(drafter: str, dest: Path) -> list[int]:
+    """The main drafter with its SGLang layer ids shifted by +1 (the classic mistake)."""
+    from eagle3kit.drafter.export import export_drafter
+
+    cfg = json.loads((Path(drafter) / "config.json").read_text())
+    ids = [k + 1 for k in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    export_drafter(Path(drafter), dest, "sglang", sglang_layer_ids=ids)
+    return ids
+
+
+def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
+    """Start, measure, prove, stop. Returns {"servers": per-server measurements, "failed": ..., "proof": ...}."""
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    if plan.offbyone:
+        export_offbyone(plan.drafter, work / "offbyone")
+    specs = servings(plan, work)
+    t0 = time.time()
+    started = online.start_servers(plan.target, specs, work / "logs", common_args=[*plan.server_args,
+                                                                                 *online.shared_gpu_args()])
+    servers, failed = started["servers"], started["failed"]
+    log(f"{len(servers) - len(failed)} of {len(servers)} servers healthy after {time.time() - t0:.0f} s; failed: "
+        f"{sorted(failed)}")
+    need = max(plan.prompts_per_conc.values())
+    if len(prompts) < need:
+        prompts = (prompts * (need // max(len(prompts), 1) + 1))[:need]
+    by_conc = {c: prompts[:plan.prompts_per_conc[c]] for c in plan.concurrencies}
+    results = {"servers": {}, "failed": failed, "startup_seconds": time.time() - t0}
+    try:
+        spec_by_name = {s.name: s for s in specs}
+        order = ["plain", "main"] + [s.name for s in specs if s.name not in ("plain", "main")]
+        for name in order:
+            if name in failed or name not in servers:
+                continue
+            srv = servers[name]
+            s = spec_by_name[name]
+            if name in ("proof", "offbyone"):  # their draft hook records a few requests of ours, one at a time
+                _proof_requests(srv.url, by_conc[1][:4])
+                results["servers"].setdefault(name, {})["prompts"] = {f"{i}": p for i, p in enumerate(by_conc[1][:4])}
+                if name == "proof":  # CUDA graphs off: not a speed figure
+                    continue
+            full = name in ("plain", "main")
+            conc = by_conc if full else {1: by_conc[1]}
+            t1 = time.time()
+            m = online.measure_server(srv.url, conc, plan.max_new_tokens, rounds=plan.rounds if full else 1,
+                                      warmup=prompts[:2])
+            results["servers"].setdefault(name, {}).update(
+                setting=[s.steps, s.topk, s.draft_tokens] if s.drafter else None, drafter=s.drafter, by_concurrency=m)
+            b1 = m[1]
+            acc = [r["accept_length"] for r in b1["rounds"] if "accept_length" in r]
+            log(f"{name:>14}: conc 1 {b1['output_tokens_per_s_median']:8.1f} tok/s"
+                + (f", accept {statistics.fmean(acc):.3f}" if acc else "") + f" ({time.time() - t1:.0f} s)")
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    results["outputs_match_plain"] = _outputs_match(results)
+    for r in results["servers"].values():
+        for m in r.get("by_concurrency", {}).values():
+            for rr in m["rounds"]:
+                rr.pop("_outputs", None)
+    return results
+
+
+def _proof_requests(url: str, prompts) -> None:
+    """A few requests with the draft hook's rid prefix, one at a time (the hook records their draft prefill).
+    The radix cache is flushed before each: a cached prefix (the chat template's shared system prompt) would make
+    SGLang extend only the uncached suffix, so the record would not be the whole prompt at positions 0..T-1."""
+    import requests
+
+    from eagle3kit.acceptance.drafthook import RID_PREFIX
+
+    with requests.Session() as s:
+        for i, ids in enumerate(prompts):
+            online.flush(url)
+            s.post(url + "/generate", timeout=600, json={"input_ids": list(ids), "rid": f"{RID_PREFIX}{i}",
+                                                        "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
+
+
+def _outputs_match(results: dict) -> dict:
+    """Greedy speculative decoding must give the plain target's tokens: share of batch-1 requests identical."""
+    plain = results["servers"].get("plain")
+    if not plain:
+        return {}
+    base = plain["by_concurrency"][1]["rounds"][0].get("_outputs") or []
+    out = {}
+    for name, r in results["servers"].items():
+        if name == "plain" or "by_concurrency" not in r:
+            continue
+        outs = r["by_concurrency"][1]["rounds"][0].get("_outputs") or []
+        pairs = [(a, b) for a, b in zip(base, outs) if a is not None and b is not None]
+        if pairs:
+            out[name] = sum(a == b for a, b in pairs) / len(pairs)
+    return out
+
+
+def prove(plan: OnlinePlan, results: dict, work, device: str = "cpu") -> dict:
+    """Load proof (params, logits) and the doctor's check for the proof and off-by-one servers' records."""
+    from safetensors.torch import load_file
+
+    from eagle3kit.acceptance import proof
+    from eagle3kit.acceptance.drafthook import RID_PREFIX
+    from eagle3kit.target import resolve_target
+
+    work = Path(work)
+    target = resolve_target(plan.target)
+    out = {}
+    for name, export, hooks in (("proof", plan.drafter, work / "hooks-proof"),
+                                ("offbyone", work / "offbyone", work / "hooks-offbyone")):
+        if name not in results["servers"] or not (hooks / "draft_params.safetensors").exists():
+            out[name] = {"error": f"no draft records in {hooks}" + ((hooks / "errors.txt").read_text()[-1500:]
+                                                                   if (hooks / "errors.txt").exists() else "")}
+            continue
+        params = load_file(str(hooks / "draft_params.safetensors"))
+        recs = proof.records(hooks)
+        prompts = {f"{RID_PREFIX}{i}": p for i, p in results["servers"][name]["prompts"].items()}
+        r = {"hook_records": len(recs)}
+        for part, fn in (("prompts", lambda: proof.attach_prompts(recs, prompts)),
+                         ("params", lambda: proof.compare_params(params, export, target)),
+                         ("logits", lambda: proof.compare_logits(recs, export, params.get("lm_head.weight"), device)),
+                         ("doctor", lambda: proof.verify_doctor(export, recs, target, device))):
+            try:
+                got = fn()
+                if part != "prompts":
+                    r.update(got)
+            except Exception as e:  # noqa: BLE001 - keep what the other parts show
+                import traceback
+
+                r[f"{part}_error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
+        out[name] = r
+    return out
+
+
+def _accept(results: dict, name: str, conc: int = 1):
+    r = results["servers"].get(name, {}).get("by_concurrency", {}).get(conc)
+    acc = [x["accept_length"] for x in r["rounds"] if "accept_length" in x] if r else []
+    return statistics.fmean(acc) if acc else None
+
+
+def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> dict:
+    """Flat metrics of the online experiment. ``offline``: name -> offline metrics (``offline_tau_{n}``) of that
+    drafter on the held-out split ("main" and the controls)."""
+    m: dict = {"online_servers_failed": len(results.get("failed", {})),
+               "online_startup_seconds": results.get("startup_seconds", 0.0)}
+    srv = results["servers"]
+    s, t, d = plan.serving
+    if "plain" in srv and "main" in srv:
+        for conc in plan.concurrencies:
+            if conc not in srv["main"]["by_concurrency"]:
+                continue
+            sm = online.summarize(srv["plain"]["by_concurrency"], srv["main"]["by_concurrency"], conc)
+            sfx = "" if conc == 1 else f"_c{conc}"
+            m[f"online_speedup{sfx}"] = sm["speedup"]
+            m[f"plain_tokens_per_s{sfx}"] = sm["plain_tokens_per_s"]
+            m[f"spec_tokens_per_s{sfx}"] = sm["spec_tokens_per_s"]
+            if sm["accept_length"] is not None:
+                m[f"online_accept_length{sfx}"] = sm["accept_length"]
+            for who in ("plain", "main"):
+                rounds = srv[who]["by_concurrency"][conc]["rounds"]
+                for i, r in enumerate(rounds):
+                    m[f"{who}_tokens_per_s{sfx}_round{i}"] = r["output_tokens_per_s"]
+                tps = [r["output_tokens_per_s"] for r in rounds]
+                m[f"{who}_tokens_per_s{sfx}_spread"] = (max(tps) - min(tps)) / statistics.median(tps) if tps else 0.0
+            if conc == 1 and sm.get("breakeven_accept_length"):
+                m["breakeven_accept_length"] = sm["breakeven_accept_length"]
+        r1 = srv["main"]["by_concurrency"][1]["rounds"]
+        sa = [r["server_accept_length"] for r in r1 if r.get("server_accept_length") is not None]
+        if sa:
+            m["online_accept_length_server"] = statistics.fmean(sa)
+        m["online_sglang_spec_accept_length"] = statistics.fmean(r.get("sglang_spec_accept_length_mean", 0) for r in r1)
+    main_off = offline.get("main", {})
+    if f"offline_tau_{s}" in main_off:
+        m["offline_tau"] = main_off[f"offline_tau_{s}"]
+        if m.get("online_accept_length"):
+            m["offline_online_rel_gap"] = abs(m["offline_tau"] - m["online_accept_length"]) / m["online_accept_length"]
+    plain1 = srv.get("plain", {}).get("by_concurrency", {}).get(1, {}).get("output_tokens_per_s_median")
+    for name, r in srv.items():
+        if name in ("plain", "main", "proof") or "by_concurrency" not in r:
+            continue
+        a = _accept(results, name)
+        key = {"offbyone": "negative_control"}.get(name, name)
+        if a is not None:
+            m[f"{key}_accept_length"] = a
+        tps = r["by_concurrency"][1]["output_tokens_per_s_median"]
+        if plain1:
+            m[f"{key}_speedup"] = tps / plain1
+    for name in plan.controls:
+        if name in offline and f"offline_tau_{s}" in offline[name]:
+            m[f"{name}_offline_tau"] = offline[name][f"offline_tau_{s}"]
+    if "engine" in plan.controls and "engine_accept_length" in m:
+        m["engine_control_accept_length"] = m["engine_accept_length"]
+    if m.get("fp8_accept_length") and m.get("online_accept_length"):
+        m["fp8_accept_rel_diff"] = (m["fp8_accept_length"] - m["online_accept_length"]) / m["online_accept_length"]
+    for n in plan.sweep_steps:
+        if f"offline_tau_{n}" in main_off:
+            m[f"offline_tau_steps{n}"] = main_off[f"offline_tau_{n}"]
+    if f"steps{s}_accept_length" not in m and "online_accept_length" in m:
+        m[f"steps{s}_accept_length"] = m["online_accept_length"]
+        m[f"steps{s}_speedup"] = m.get("online_speedup", 0.0)
+    for name, p in proofs.items():
+        pre = "" if name == "proof" else f"{name}_"
+        for k, v in p.items():
+            if k.endswith("error") and isinstance(v, str):
+                m[f"{pre}{k}"] = v[:300]
+        for k in ("export_params_checked", "export_params_unloaded", "export_logits_max_rel_err",
+                  "export_logits_all_rows_max_rel_err", "export_logits_argmax_agreement"):
+            if k in p and name == "proof":
+                m[k] = p[k]
+        if "doctor_verified" in p:
+            m[f"{pre}doctor_verified"] = bool(p["doctor_verified"])
+            m[f"{pre}doctor_ok"] = bool(p["doctor_ok"])
+            m[f"{pre}fed_layer_ids"] = ",".join(map(str, p["fed_layer_ids"]))
+            m[f"{pre}fed_layer_max_rel_err"] = max(p["fed_layer_rel_err"])
+    verified = [f for f, ok in (("llama", m.get("doctor_verified")),) if ok]
+    m["doctor_verified_families"] = ",".join(verified)
+    for name, share in results.get("outputs_match_plain", {}).items():
+        m[f"{name}_outputs_match_plain"] = share
+    return m

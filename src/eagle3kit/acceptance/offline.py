@@ -1,0 +1,87 @@
+"""Offline acceptance of an exported drafter: the network SGLang loads, chained over held-out samples.
+
+Each draft step is fed the previous step's own hidden state and the next token of the sample; on target-
+regenerated data (``extract --regenerate``) those tokens are the target's greedy path, so a step counts as accepted
+exactly when serving would accept it (``greedy_path_fraction`` says how closely the data follows that path).
+Per position k: ``acc_pos{k}`` (accepted through k), ``cond_acc_pos{k}`` (accepted at k given accepted before);
+``tau_{n} = 1 + sum_{k<n} prod_{i<=k} cond_acc_i`` for chains of n steps, bonus token included.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: int = 4096, device: str = "auto"):
+    """A ``train.Run`` around an exported drafter and a data set split (what ``train.evaluate`` takes)."""
+    from eagle3kit.drafter import data as D
+    from eagle3kit.drafter.export import load_sglang_export
+    from eagle3kit.drafter.model import TargetHead
+    from eagle3kit.drafter.train import Dist, Run, TrainConfig, count_frequencies
+    from eagle3kit.drafter.vocab import DraftVocab
+    from eagle3kit.target import TargetInfo, resolve_target
+
+    model, cfg, meta = load_sglang_export(drafter_dir)
+    target = resolve_target(meta["target"])
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    source = D.open_source(data, split)
+    if len(source) == 0:
+        raise ValueError(f"{data}: no samples of split {split!r} to evaluate on")
+    info = source.info()
+    tinfo = TargetInfo.read(target)
+    info.n_states, info.hidden_size = len(meta["capture_layer_ids"]), tinfo.hidden_size
+    d2t = model.d2t if model.d2t is not None else torch.zeros(model.draft_vocab_size, dtype=torch.int64)
+    vocab = DraftVocab.from_d2t(d2t.cpu(), tinfo.vocab_size)
+    most = meta.get("most_frequent_token")
+    if most is None:
+        most = int(torch.argmax(count_frequencies(D.open_source(data, "train"), tinfo.vocab_size)))
+    head = TargetHead.from_target(target).to(dev)
+    if dev.type == "cpu":
+        head = head.float()
+    tc = TrainConfig(data=str(data), out_dir="", tokens_per_batch=tokens_per_batch, ttt_steps=1, serving_steps=1)
+    return Run(tc, Dist(), dev, None, source, info, target, vocab, torch.zeros(0), model.to(dev).eval(), head,
+               vocab.target_to_draft().to(dev), vocab.ids.to(dev), int(most),
+               extra={"aux_layer_ids": meta["capture_layer_ids"][:-1], "meta": meta})
+
+
+def evaluate_drafter(drafter_dir, data, steps: int = 7, split: str = "heldout", tokens_per_batch: int = 4096,
+                     device: str = "auto", max_batches: int | None = None) -> dict:
+    """Chained acceptance of the exported drafter over ``split`` of ``data``: flat metrics (``offline_`` prefix)."""
+    from eagle3kit.drafter.train import evaluate
+
+    run = evaluation_run(drafter_dir, data, split, tokens_per_batch, device)
+    counts = evaluate(run, steps, max_batches=max_batches)
+    if not counts.valid[0]:
+        raise ValueError(f"{data} ({split}): no loss-masked rows to evaluate (no assistant tokens?)")
+    return counts.metrics("offline_")
+
+
+def plot(metrics: dict, title: str, path=None, prefix: str = "offline_"):
+    """Acceptance by position (chained and conditional) and tau against the number of steps."""
+    import matplotlib.pyplot as plt
+
+    ks = sorted(int(k[len(prefix + "acc_pos"):]) for k in metrics if k.startswith(prefix + "acc_pos"))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a.bar([k - 0.2 for k in ks], [metrics[f"{prefix}acc_pos{k}"] for k in ks], 0.4, label="accepted through k")
+    a.bar([k + 0.2 for k in ks], [metrics[f"{prefix}cond_acc_pos{k}"] for k in ks], 0.4,
+          label="accepted at k | accepted before")
+    a.set_xlabel("draft position k")
+    a.set_ylabel("fraction of held-out rows")
+    a.set_ylim(0, 1)
+    a.legend(fontsize=7)
+    a.set_title("acceptance by position")
+    ns = [k + 1 for k in ks]
+    taus = [metrics[f"{prefix}tau_{n}"] for n in ns]
+    b.plot(ns, taus, "o-")
+    b.plot(ns, [n + 1 for n in ns], ":", color="grey", label="every draft accepted (n + 1)")
+    b.set_xlabel("draft steps n (chain)")
+    b.set_ylabel("tau (tokens per verify, bonus incl.)")
+    b.set_title(f"tau(3) = {metrics.get(prefix + 'tau_3', float('nan')):.2f}")
+    b.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    if path:
+        fig.savefig(Path(path), dpi=110, bbox_inches="tight")
+    return fig

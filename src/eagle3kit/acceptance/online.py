@@ -1,0 +1,207 @@
+"""Acceptance and speed in SGLang itself: the target served with the exported drafter (EAGLE3) and without.
+
+Per request, SGLang 0.5.14 reports ``spec_verify_ct`` (verify forwards) and ``spec_num_correct_drafts``
+(``spec_accepted_drafts`` in some builds); each verify emits the accepted drafts plus one bonus token, so
+accept length = (correct + verify) / verify, token-weighted over requests (SGLang's own ``spec_accept_length`` is
+completion_tokens / verify_ct, which also counts the token the prefill produced). The server-wide figure
+(``/server_info`` internal_states[0].avg_spec_accept_length) is read too; ``--decode-log-interval 1`` makes it
+exact (it is folded in every that many decode batches) and ``/flush_cache`` resets it before each measurement.
+
+Speed: output tokens per second of wall time, the same prompts, greedy, against the same target served without
+speculation in the same run. At batch 1 the break-even accept length is the cost of one speculative iteration in
+plain decode steps: ``accept_length / speedup`` (speculation pays above it).
+
+Many servers on one GPU: SGLang sizes its KV pool from the memory free when it starts, so servers started together
+race for it; ``shared_gpu_args`` gives each a fixed pool (``--max-total-tokens``) under a permissive
+``--mem-fraction-static`` and ``--sleep-on-idle`` (idle schedulers do not spin); the plain baseline gets the same.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Serving:
+    """One server to measure: the plain target (drafter None) or the target with an EAGLE3 drafter."""
+    name: str
+    drafter: str | None = None
+    steps: int = 3
+    topk: int = 1
+    draft_tokens: int = 4
+    extra_args: list = field(default_factory=list)
+    hooks: list | None = None  # extra --forward-hooks specs (drafthook)
+
+    def args(self) -> list[str]:
+        if self.drafter is None:
+            return list(self.extra_args)
+        return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(self.drafter),
+                "--speculative-num-steps", str(self.steps), "--speculative-eagle-topk", str(self.topk),
+                "--speculative-num-draft-tokens", str(self.draft_tokens), "--decode-log-interval", "1",
+                *self.extra_args]
+
+    def label(self) -> str:
+        return "plain" if self.drafter is None else f"{self.name} ({self.steps},{self.topk},{self.draft_tokens})"
+
+
+def shared_gpu_args(max_total_tokens: int = 131072) -> list[str]:
+    return ["--mem-fraction-static", "0.97", "--max-total-tokens", str(max_total_tokens), "--sleep-on-idle"]
+
+
+def start_servers(target, servings: list[Serving], log_dir, base_port: int = 31000, common_args=(),
+                  startup_timeout: float = 900, stagger: float = 2.0) -> dict:
+    """Start every server at once (imports dominate a start; they overlap) and wait until all are healthy.
+    Returns {name: SGLangServer}; a server that fails to start is reported by name with its log's tail."""
+    from eagle3kit.capture.server import SGLangServer
+
+    servers = {}
+    for i, s in enumerate(servings):
+        srv = SGLangServer(target, port=base_port + i, extra_args=[*common_args, *s.args()],
+                           log_path=Path(log_dir) / f"sglang-{s.name}.log", hooks=s.hooks,
+                           startup_timeout=startup_timeout)
+        servers[s.name] = srv.start()
+        time.sleep(stagger)
+    failed = {}
+    for name, srv in servers.items():
+        try:
+            srv.wait_healthy()
+        except Exception as e:  # noqa: BLE001 - report every failed server, keep the others
+            failed[name] = str(e)[-2000:]
+    return {"servers": servers, "failed": failed}
+
+
+def generate(session, url: str, ids, max_new_tokens: int, timeout: float = 600) -> dict:
+    t0 = time.perf_counter()
+    r = session.post(url + "/generate", timeout=timeout, json={
+        "input_ids": list(ids), "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}})
+    r.raise_for_status()
+    out = r.json()
+    m = out.get("meta_info", {})
+    correct = m.get("spec_num_correct_drafts", m.get("spec_accepted_drafts"))
+    return {"completion_tokens": int(m.get("completion_tokens", 0)), "verify_ct": m.get("spec_verify_ct"),
+            "correct_drafts": correct, "sglang_accept_length": m.get("spec_accept_length"),
+            "seconds": time.perf_counter() - t0, "output_ids": out.get("output_ids")}
+
+
+def measure(url: str, prompts, concurrency: int, max_new_tokens: int = 256) -> dict:
+    """Send every prompt, ``concurrency`` in flight; tokens/s over the wall time; accept length (token-weighted)."""
+    import requests
+
+    local = threading.local()
+
+    def one(ids):
+        if not hasattr(local, "s"):
+            local.s = requests.Session()
+        return generate(local.s, url, ids, max_new_tokens)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, prompts))
+    wall = time.perf_counter() - t0
+    toks = sum(r["completion_tokens"] for r in results)
+    out = {"requests": len(results), "concurrency": concurrency, "output_tokens": toks, "seconds": wall,
+           "output_tokens_per_s": toks / wall if wall else 0.0}
+    ver = [r for r in results if r["verify_ct"]]
+    if ver:
+        v = sum(r["verify_ct"] for r in ver)
+        c = sum(r["correct_drafts"] or 0 for r in ver)
+        out.update(accept_length=(c + v) / v, verify_ct=v, correct_drafts=c,
+                   accept_length_request_mean=statistics.fmean((r["correct_drafts"] + r["verify_ct"]) / r["verify_ct"]
+                                                               for r in ver),
+                   sglang_spec_accept_length_mean=statistics.fmean(r["sglang_accept_length"] or 0 for r in ver))
+    out["_outputs"] = [r["output_ids"] for r in results]
+    return out
+
+
+def flush(url: str) -> None:
+    import requests
+
+    for _ in range(20):  # refused while requests are still finishing
+        try:
+            if requests.post(url + "/flush_cache", timeout=30).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+
+
+def server_accept_length(url: str) -> float | None:
+    import requests
+
+    try:
+        info = requests.get(url + "/server_info", timeout=30).json()
+    except (requests.RequestException, ValueError):
+        return None
+    states = info.get("internal_states") or [{}]
+    v = states[0].get("avg_spec_accept_length")
+    return float(v) if v is not None else None
+
+
+def measure_server(url: str, prompts_by_conc: dict, max_new_tokens: int, rounds: int = 1, warmup=None) -> dict:
+    """Every concurrency ``rounds`` times from a flushed server; per concurrency the rounds, median and spread."""
+    if warmup:
+        measure(url, warmup, 1, 16)
+    out = {}
+    for conc, prompts in prompts_by_conc.items():
+        rows = []
+        for _ in range(rounds):
+            flush(url)
+            r = measure(url, prompts, conc, max_new_tokens)
+            r["server_accept_length"] = server_accept_length(url)
+            rows.append(r)
+        tps = [r["output_tokens_per_s"] for r in rows]
+        out[conc] = {"rounds": rows, "output_tokens_per_s_median": statistics.median(tps),
+                     "output_tokens_per_s_min": min(tps), "output_tokens_per_s_max": max(tps)}
+    return out
+
+
+def summarize(plain: dict, spec: dict, conc: int) -> dict:
+    """Speedup (median over rounds) and, at batch 1, the break-even accept length."""
+    p = plain[conc]["output_tokens_per_s_median"]
+    s = spec[conc]["output_tokens_per_s_median"]
+    acc = [r["accept_length"] for r in spec[conc]["rounds"] if "accept_length" in r]
+    accept = statistics.fmean(acc) if acc else None
+    out = {"speedup": s / p if p else 0.0, "accept_length": accept, "plain_tokens_per_s": p, "spec_tokens_per_s": s}
+    if accept:
+        out["breakeven_accept_length"] = accept / out["speedup"] if out["speedup"] else None
+    return out
+
+
+def heldout_prompts(data_dir, tokenizer, n: int, max_prompt_tokens: int = 1024) -> list[list[int]]:
+    """The first user turn(s) of held-out conversations (up to the first assistant turn), rendered with the
+    target's chat template and its generation prompt: the prompts a served target would see."""
+    from eagle3kit.data.conversations import load_conversations
+    from eagle3kit.store import read_manifest
+
+    data_dir = Path(data_dir)
+    held = [e for e in read_manifest(data_dir).values() if e.get("split") == "heldout"]
+    ids_wanted = {e["conv_id"] for e in held}
+    regen = data_dir / "regenerated.jsonl"
+    if regen.exists():
+        convs = [json.loads(line) for line in regen.read_text().splitlines() if line.strip()]
+    else:
+        settings = json.loads((data_dir / "extraction.json").read_text())
+        convs, _ = load_conversations(settings["data"])
+    prompts = []
+    for c in convs:
+        if c["id"] not in ids_wanted:
+            continue
+        msgs = []
+        for m in c["messages"]:
+            if m["role"] == "assistant":
+                break
+            msgs.append(m)
+        if not msgs or msgs[-1]["role"] != "user":
+            continue
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+        if len(prompts) >= n:
+            break
+    return prompts

@@ -1,0 +1,473 @@
+"""Unit tests of the acceptance tooling without SGLang: the draft hook on fake SGLang objects (real torch modules,
+real safetensors files), the load proof on a real eagle3kit export of the embedded SmolLM2 target, the export's own
+checks, ``compare`` and the pure parts of ``online``."""
+import json
+import shutil
+import statistics
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3kit.acceptance import compare, drafthook, online, proof
+
+P = drafthook.RID_PREFIX
+
+
+# ---------------------------------------------------------------------------------------------------- split_rows
+def test_split_rows_keeps_only_prefixed_rids_with_their_offsets():
+    rids = [f"{P}a", "3f2b8c1e9d7a4b6c8e0f1a2b3c4d5e6f", "HEALTH_CHECK_1717", f"{P}b", None, f"{P}c"]
+    lens = torch.tensor([3, 2, 1, 4, 2, 1])
+    assert drafthook.split_rows(rids, lens, P) == [(f"{P}a", 0, 0, 3), (f"{P}b", 3, 6, 10), (f"{P}c", 5, 12, 13)]
+    assert drafthook.split_rows(rids, [3, 2, 1, 4, 2, 1], "HEALTH") == [("HEALTH_CHECK_1717", 2, 5, 6)]
+    assert drafthook.split_rows(["x", "y"], [5, 5], P) == []
+    assert drafthook.split_rows([], [], P) == []
+
+
+def test_draft_hooks_name_sglang_modules_and_this_factory():
+    specs = drafthook.draft_hooks("/tmp/somewhere")
+    assert [s["target_modules"] for s in specs] == [["model"], ["logits_processor"]]
+    for s, fn in zip(specs, ("model_hook", "logits_hook")):
+        mod, name = s["hook_factory"].split(":")
+        assert mod == "eagle3kit.acceptance.drafthook" and name == fn and callable(getattr(drafthook, name))
+        assert s["config"] == {"out_dir": "/tmp/somewhere", "rid_prefix": P}
+
+
+# ------------------------------------------------------------------------------- drafthook on fake SGLang objects
+H_AUX, H, VOCAB = 12, 4, 7
+
+
+class FakeDraftModel(torch.nn.Module):
+    """Like SGLang's LlamaForCausalLMEagle3.model: has ``fc``; called (input_ids, positions, forward_batch) and
+    returns (normed hidden [T, H], [aux])."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(H_AUX, H, bias=False)
+        self.norm = torch.nn.LayerNorm(H)
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+        aux = forward_batch.spec_info.hidden_states
+        return self.norm(self.fc(aux)), [aux]
+
+
+class FakeTargetModel(torch.nn.Module):
+    """The target's LlamaModel: same call, no ``fc``."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, H)
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+        h = self.embed(input_ids)
+        return h, [h]
+
+
+class FakeLogitsProcessor(torch.nn.Module):
+    """SGLang's LogitsProcessor: (input_ids, hidden_states, lm_head, logits_metadata) -> an output whose
+    next_token_logits is the last row of each request, in the batch's order."""
+
+    def forward(self, input_ids, hidden_states, lm_head, logits_metadata):
+        last = torch.tensor(logits_metadata.extend_seq_lens_cpu).cumsum(0) - 1
+        return SimpleNamespace(next_token_logits=hidden_states[last] @ lm_head.weight.T)
+
+
+def _batch(rids, lens, mode="EXTEND", spec=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(name=mode), rids=list(rids), extend_seq_lens_cpu=list(lens))
+    if spec:
+        fb.spec_info = SimpleNamespace(hidden_states=torch.randn(t, H_AUX, generator=g))
+    input_ids = torch.randint(0, VOCAB, (t,), generator=g)
+    positions = torch.cat([torch.arange(n) + 3 for n in lens])
+    return input_ids, positions, fb
+
+
+class Rig:
+    """The draft's model and logits processor with the hooks registered, as SGLang's hook manager does."""
+
+    def __init__(self, out_dir, model=None):
+        torch.manual_seed(0)
+        cfg = {"out_dir": str(out_dir), "rid_prefix": P}
+        self.out = Path(out_dir)
+        self.model = model if model is not None else FakeDraftModel()
+        self.lp = FakeLogitsProcessor()
+        self.target_lp = FakeLogitsProcessor()
+        self.lm_head = torch.nn.Linear(H, VOCAB, bias=False)
+        self.model.register_forward_hook(drafthook.model_hook(cfg))
+        self.lp.register_forward_hook(drafthook.logits_hook(cfg))
+        self.target_lp.register_forward_hook(drafthook.logits_hook(cfg))
+
+    def forward(self, rids, lens, **kw):
+        input_ids, positions, fb = _batch(rids, lens, **kw)
+        normed, _ = self.model(input_ids, positions, fb)
+        out = self.lp(input_ids, normed, self.lm_head, fb)
+        return input_ids, positions, fb, normed, out
+
+    def files(self):
+        return sorted(p.name for p in self.out.iterdir())
+
+
+def test_hooks_write_records_of_prefixed_requests_and_the_draft_params(tmp_path):
+    rig = Rig(tmp_path / "hooks")
+    rids, lens = [f"{P}a", f"{P}b", "HEALTH_CHECK_99", "9c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f"], [3, 5, 1, 2]
+    input_ids, positions, fb, normed, _ = rig.forward(rids, lens)
+    assert rig.files() == ["draft_params.safetensors", f"{P}a.safetensors", f"{P}b.safetensors"]
+    aux = fb.spec_info.hidden_states
+    for rid, a, b in ((f"{P}a", 0, 3), (f"{P}b", 3, 8)):
+        r = load_file(str(rig.out / f"{rid}.safetensors"))
+        assert set(r) == {"aux", "input_ids", "positions", "normed", "last_logits"}
+        assert torch.equal(r["aux"], aux[a:b]) and torch.equal(r["input_ids"], input_ids[a:b])
+        assert torch.equal(r["positions"], positions[a:b]) and torch.equal(r["normed"], normed[a:b].detach())
+        assert r["last_logits"].dtype == torch.float32 and r["last_logits"].shape == (VOCAB,)
+        assert torch.allclose(r["last_logits"], normed[b - 1].detach() @ rig.lm_head.weight.detach().T)
+    params = load_file(str(rig.out / "draft_params.safetensors"))
+    want = dict(rig.model.named_parameters())
+    assert set(params) == {"fc.weight", "norm.weight", "norm.bias", "lm_head.weight"}
+    for k, v in want.items():
+        assert torch.equal(params[k], v.detach())
+    assert torch.equal(params["lm_head.weight"], rig.lm_head.weight.detach())
+    assert not (rig.out / "errors.txt").exists()
+    # the params are written once, as SGLang first held them; later requests add records only
+    before = params["fc.weight"].clone()
+    with torch.no_grad():
+        rig.model.fc.weight.add_(1.0)
+    rig.forward([f"{P}c"], [2], seed=1)
+    assert (rig.out / f"{P}c.safetensors").exists()
+    assert torch.equal(load_file(str(rig.out / "draft_params.safetensors"))["fc.weight"], before)
+
+
+def test_last_logits_belong_to_the_request_when_others_come_first(tmp_path):
+    rig = Rig(tmp_path / "hooks")
+    _, _, _, normed, out = rig.forward(["9c1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f", f"{P}a"], [2, 3])
+    r = load_file(str(rig.out / f"{P}a.safetensors"))
+    assert torch.allclose(r["last_logits"], out.next_token_logits[1].detach())
+
+
+def test_target_model_without_fc_records_nothing(tmp_path):
+    rig = Rig(tmp_path / "hooks", model=FakeTargetModel())
+    input_ids, positions, fb = _batch([f"{P}a"], [3])
+    h, _ = rig.model(input_ids, positions, fb)
+    rig.lp(input_ids, h, rig.lm_head, fb)
+    assert rig.files() == []
+
+
+def test_decode_forward_records_nothing(tmp_path):
+    rig = Rig(tmp_path / "hooks")
+    for mode in ("DECODE", "DRAFT_EXTEND_V2", "TARGET_VERIFY"):
+        rig.forward([f"{P}a"], [1], mode=mode)
+    assert rig.files() == []
+    rig.forward([f"{P}a"], [3])  # a prefill extend afterwards is recorded
+    assert rig.files() == ["draft_params.safetensors", f"{P}a.safetensors"]
+
+
+def test_target_logits_processor_consumes_nothing(tmp_path):
+    rig = Rig(tmp_path / "hooks")
+    input_ids, positions, fb = _batch([f"{P}a"], [4])
+    normed, _ = rig.model(input_ids, positions, fb)
+    rig.target_lp(input_ids, normed.clone(), rig.lm_head, fb)  # the target's hidden state: another tensor
+    assert rig.files() == []
+    rig.lp(input_ids, normed, rig.lm_head, fb)  # the draft's own: the pending records are still there
+    assert rig.files() == ["draft_params.safetensors", f"{P}a.safetensors"]
+    r = load_file(str(rig.out / f"{P}a.safetensors"))
+    assert torch.equal(r["normed"], normed.detach())
+    rig.lp(input_ids, normed, rig.lm_head, fb)  # consumed once: a second call writes nothing new
+    assert rig.files() == ["draft_params.safetensors", f"{P}a.safetensors"]
+
+
+def test_errors_never_propagate_and_are_written(tmp_path):
+    rig = Rig(tmp_path / "hooks")
+    input_ids, positions, fb = _batch([f"{P}a"], [3], spec=False)
+    # no spec_info: the model hook fails inside
+    rig.model.forward = lambda *a, **k: (torch.zeros(3, H), [])
+    rig.model(input_ids, positions, fb)  # must not raise
+    err = (rig.out / "errors.txt").read_text()
+    assert err.startswith("model_hook:") and "AttributeError" in err
+    assert [f for f in rig.files() if f.endswith(".safetensors")] == []
+    # the logits hook: an lm_head without .weight
+    rig2 = Rig(tmp_path / "hooks2")
+    input_ids, positions, fb = _batch([f"{P}a"], [3])
+    normed, _ = rig2.model(input_ids, positions, fb)
+    hook = drafthook.logits_hook({"out_dir": str(rig2.out), "rid_prefix": P})
+    hook(rig2.lp, (input_ids, normed, object(), fb), SimpleNamespace(next_token_logits=torch.zeros(1, VOCAB)))
+    assert "logits_hook:" in (rig2.out / "errors.txt").read_text()
+    assert [f for f in rig2.files() if f.endswith(".safetensors")] == []
+
+
+# ----------------------------------------------------------------------------------------------- export and proof
+LAYERS = [2, 15, 27]
+
+
+@pytest.fixture(scope="module")
+def export_dir(target_path, tmp_path_factory):
+    from eagle3kit.drafter import export, model, vocab
+
+    g = torch.Generator().manual_seed(0)
+    freq = torch.zeros(49152, dtype=torch.int64)
+    freq[torch.randint(0, 49152, (3000,), generator=g)] = torch.randint(1, 100, (3000,), generator=g)
+    v = vocab.build(freq, 512)
+    m = model.build(target_path, LAYERS, v)
+    with torch.no_grad():  # make every exported tensor distinct from its initialisation
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-2)
+    dest = export.to_sglang(m, v, tmp_path_factory.mktemp("export") / "exp", target_path, LAYERS)
+    return SimpleNamespace(path=dest, vocab=v, model=m)
+
+
+@pytest.fixture(scope="module")
+def target_embed(target_path):
+    return load_file(str(Path(target_path) / "model.safetensors"))["model.embed_tokens.weight"]
+
+
+def _sglang_params(export_path, embed) -> dict:
+    """What SGLang's LlamaForCausalLMEagle3 holds after loading the export (its loader stacks q/k/v and gate/up)."""
+    t = load_file(str(Path(export_path) / "model.safetensors"))
+    L = "layers.0."
+    out = {"embed_tokens.weight": embed.clone(), "fc.weight": t["fc.weight"], "norm.weight": t["norm.weight"],
+           "lm_head.weight": t["lm_head.weight"],
+           L + "self_attn.qkv_proj.weight": torch.cat([t[L + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+           L + "self_attn.o_proj.weight": t[L + "self_attn.o_proj.weight"],
+           L + "mlp.gate_up_proj.weight": torch.cat([t[L + "mlp.gate_proj.weight"], t[L + "mlp.up_proj.weight"]]),
+           L + "mlp.down_proj.weight": t[L + "mlp.down_proj.weight"]}
+    for n in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
+        out[f"{L}{n}.weight"] = t[f"{L}{n}.weight"]
+    return {k: v.clone() for k, v in out.items()}
+
+
+def test_export_config_and_tensor_names(export_dir):
+    from eagle3kit.drafter import export
+
+    cfg = json.loads((export_dir.path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["tie_word_embeddings"] is False
+    assert cfg["draft_vocab_size"] == 512 and cfg["vocab_size"] == 49152
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]  # SGLang Llama adds 1
+    assert cfg["num_hidden_layers"] == 1
+    t = load_file(str(export_dir.path / "model.safetensors"))
+    assert sorted(t) == sorted(export.sglang_names(3, False))
+    assert not any("embed_tokens" in k for k in t)
+    assert t["d2t"].dtype == torch.int64 and torch.equal(t["d2t"], export_dir.vocab.d2t)
+    assert t["lm_head.weight"].shape == (512, 576) and t["fc.weight"].shape == (576, 3 * 576)
+    meta = json.loads((export_dir.path / "eagle3kit.json").read_text())
+    assert meta["capture_layer_ids"] == [2, 15, 27, 30] and meta["draft_vocab_size"] == 512
+
+
+def test_expected_params_stacks_like_sglang(export_dir):
+    exp = proof.expected_params(export_dir.path)
+    t = load_file(str(export_dir.path / "model.safetensors"))
+    L = "layers.0."
+    assert len(exp) == 10 and "d2t" not in exp and "embed_tokens.weight" not in exp
+    qkv = exp[L + "self_attn.qkv_proj.weight"]
+    assert qkv.shape == (576 + 192 + 192, 1152)
+    assert torch.equal(qkv[576:768], t[L + "self_attn.k_proj.weight"])
+    assert torch.equal(exp[L + "mlp.gate_up_proj.weight"][1536:], t[L + "mlp.up_proj.weight"])
+
+
+def test_compare_params_all_loaded(export_dir, target_path, target_embed):
+    r = proof.compare_params(_sglang_params(export_dir.path, target_embed), export_dir.path, target_path)
+    assert r == {"export_params_checked": 11, "export_params_unloaded": 0, "export_params_unloaded_names": [],
+                 "export_tensors_not_held": []}
+    # SGLang may hold them in another dtype: equal after casting the export's tensor
+    as_f32 = {k: v.float() for k, v in _sglang_params(export_dir.path, target_embed).items()}
+    assert proof.compare_params(as_f32, export_dir.path, target_path)["export_params_unloaded"] == 0
+
+
+@pytest.mark.parametrize("name", ["layers.0.self_attn.qkv_proj.weight", "layers.0.mlp.gate_up_proj.weight",
+                                  "lm_head.weight", "layers.0.hidden_norm.weight", "embed_tokens.weight"])
+def test_compare_params_counts_one_changed_element(export_dir, target_path, target_embed, name):
+    params = _sglang_params(export_dir.path, target_embed)
+    flat = params[name].view(-1)
+    i = flat.numel() // 2 + 1
+    flat[i] = flat[i] + 1.0
+    r = proof.compare_params(params, export_dir.path, target_path)
+    assert r["export_params_unloaded"] == 1 and r["export_params_unloaded_names"] == [name]
+    assert r["export_params_checked"] == 10
+
+
+def test_compare_params_counts_wrong_stacking_order(export_dir, target_path, target_embed):
+    params = _sglang_params(export_dir.path, target_embed)
+    q, k, v = params["layers.0.self_attn.qkv_proj.weight"].split([576, 192, 192])
+    params["layers.0.self_attn.qkv_proj.weight"] = torch.cat([q, v, k])  # same shape, wrong order
+    assert proof.compare_params(params, export_dir.path, target_path)["export_params_unloaded_names"] == \
+        ["layers.0.self_attn.qkv_proj.weight"]
+
+
+def test_compare_params_counts_a_param_the_export_does_not_give(export_dir, target_path, target_embed, monkeypatch):
+    real = proof.expected_params
+    monkeypatch.setattr(proof, "expected_params", lambda d: {k: v for k, v in real(d).items() if k != "lm_head.weight"})
+    r = proof.compare_params(_sglang_params(export_dir.path, target_embed), export_dir.path, target_path)
+    assert r["export_params_unloaded_names"] == ["lm_head.weight"] and r["export_params_checked"] == 10
+    monkeypatch.undo()
+    params = _sglang_params(export_dir.path, target_embed)
+    params["layers.0.mlp.extra.weight"] = torch.zeros(3)  # held by SGLang, given by nothing
+    del params["norm.weight"]  # given by the export, held by nothing
+    r = proof.compare_params(params, export_dir.path, target_path)
+    assert r["export_params_unloaded_names"] == ["layers.0.mlp.extra.weight"]
+    assert r["export_tensors_not_held"] == ["norm.weight"]
+
+
+def test_compare_params_counts_a_wrong_shape(export_dir, target_path, target_embed):
+    params = _sglang_params(export_dir.path, target_embed)
+    params["fc.weight"] = params["fc.weight"][:, :576].clone()  # fc over one aux slot
+    assert proof.compare_params(params, export_dir.path, target_path)["export_params_unloaded_names"] == ["fc.weight"]
+
+
+def _copy_export(src, dest, edit):
+    shutil.copytree(src, dest)
+    t = load_file(str(dest / "model.safetensors"))
+    edit(t)
+    save_file(t, str(dest / "model.safetensors"))
+    return dest
+
+
+def test_load_sglang_export_refuses_an_extra_tensor(export_dir, tmp_path):
+    from eagle3kit.drafter.export import ExportError, load_sglang_export
+
+    d = _copy_export(export_dir.path, tmp_path / "extra",
+                     lambda t: t.__setitem__("embed_tokens.weight", torch.zeros(4, 576, dtype=torch.bfloat16)))
+    with pytest.raises(ExportError, match="drop \\['embed_tokens.weight'\\]"):
+        load_sglang_export(d)
+    d = _copy_export(export_dir.path, tmp_path / "extra2",
+                     lambda t: t.__setitem__("layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(32)))
+    with pytest.raises(ExportError, match="inv_freq"):
+        load_sglang_export(d)
+
+
+def test_load_sglang_export_refuses_a_missing_tensor(export_dir, tmp_path):
+    from eagle3kit.drafter.export import ExportError, load_sglang_export
+
+    d = _copy_export(export_dir.path, tmp_path / "missing", lambda t: t.pop("layers.0.hidden_norm.weight"))
+    with pytest.raises(ExportError, match="uninitialised"):
+        load_sglang_export(d)
+
+
+def test_load_sglang_export_round_trip(export_dir, target_path):
+    from eagle3kit.drafter.export import load_sglang_export
+
+    m, cfg, meta = load_sglang_export(export_dir.path, target_path)
+    t = load_file(str(export_dir.path / "model.safetensors"))
+    sd = m.state_dict()
+    for k, v in t.items():
+        if k != "d2t":
+            assert torch.equal(sd[k], v.float()), k
+    assert torch.equal(m.d2t, export_dir.vocab.d2t)
+    assert torch.equal(m.t2d, export_dir.vocab.t2d)
+    assert cfg["draft_vocab_size"] == 512 and meta["capture_layer_ids"][:-1] == LAYERS
+
+
+# -------------------------------------------------------------------------------------------------- attach_prompts
+def _record(prompt, generated=9):
+    return {"input_ids": torch.tensor(prompt[1:] + [generated], dtype=torch.int32),
+            "positions": torch.arange(len(prompt))}
+
+
+def test_attach_prompts_checks_the_shift():
+    prompt = [1, 5, 8, 13, 21]
+    recs = {f"{P}0": _record(prompt), f"{P}1": _record([4, 4, 4])}
+    out = proof.attach_prompts(recs, {f"{P}0": prompt})
+    assert out is recs and out[f"{P}0"]["prompt_ids"].tolist() == prompt
+    assert out[f"{P}0"]["prompt_ids"].dtype == torch.int64 and "prompt_ids" not in out[f"{P}1"]
+
+
+@pytest.mark.parametrize("rec", [
+    {"input_ids": torch.tensor([1, 5, 8, 13, 21]), "positions": torch.arange(5)},  # not shifted
+    {"input_ids": torch.tensor([8, 13, 21, 9, 9]), "positions": torch.arange(5)},  # shifted by two
+    {"input_ids": torch.tensor([13, 21, 9]), "positions": torch.arange(2, 5)},  # a cached prefix: fewer rows
+], ids=["unshifted", "shifted_by_two", "cached_prefix"])
+def test_attach_prompts_rejects_a_record_that_is_not_the_prompt_shifted_by_one(rec):
+    with pytest.raises(ValueError, match="not the prompt shifted by one"):
+        proof.attach_prompts({f"{P}0": rec}, {f"{P}0": [1, 5, 8, 13, 21]})
+
+
+# --------------------------------------------------------------------------------------------------------- compare
+def _write(path: Path, d):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(d if isinstance(d, str) else json.dumps(d))
+
+
+def test_collect_merges_metrics_under_a_folder_and_skips_runs_without_figures(tmp_path):
+    _write(tmp_path / "run1" / "metrics.json", {"train_acc_pos0": 0.61, "layer_ids": [2, 15, 27], "shared": "run"})
+    _write(tmp_path / "run1" / "train" / "metrics.json", {"train_loss": "kl", "shared": "step", "offline_tau": 2.3})
+    _write(tmp_path / "run1" / "online" / "deep" / "metrics.json", {"online_accept_length": 2.1, "shared": "deep"})
+    _write(tmp_path / "run1" / "broken" / "metrics.json", "{not json")
+    _write(tmp_path / "run2" / "metrics.json", {"extract_engine": "sglang"})  # no acceptance/training figure
+    _write(tmp_path / "run3" / "metrics.json", {"online_accept_length": 1.7})
+    rows = compare.collect([tmp_path / "run1", tmp_path / "run2", tmp_path / "missing",
+                            tmp_path / "run3" / "metrics.json"])
+    assert [r["run"] for r in rows] == ["run1", "run3"]
+    r = rows[0]
+    assert r["_path"] == str(tmp_path / "run1")
+    assert r["train_acc_pos0"] == 0.61 and r["offline_tau"] == 2.3 and r["online_accept_length"] == 2.1
+    assert r["train_loss"] == "kl" and r["shared"] == "run"  # the run's own summary wins over deeper files
+    assert rows[1] == {"run": "run3", "_path": str(tmp_path / "run3" / "metrics.json"), "online_accept_length": 1.7}
+
+
+def test_sweep_points():
+    row = {"steps3_accept_length": 2.2, "steps1_accept_length": 1.5, "steps2_accept_length": 1.9,
+           "steps4_accept_length": None, "xsteps5_accept_length": 3.0, "steps2_accept_length_server": 9.0,
+           "steps2_speedup": 1.1, "steps10_speedup": 0.8, "offline_tau_steps3": 2.5, "offline_tau_steps1": 1.6}
+    assert compare.sweep(row, "accept") == [(1, 1.5), (2, 1.9), (3, 2.2)]
+    assert compare.sweep(row, "speedup") == [(2, 1.1), (10, 0.8)]
+    assert compare.sweep(row, "offline") == [(1, 1.6), (3, 2.5)]
+    with pytest.raises(KeyError):
+        compare.sweep(row, "nonsense")
+
+
+def test_table_renders_present_columns_in_order():
+    rows = [{"run": "a", "online_accept_length": 2.12345, "train_loss": "kl", "unrelated": 1},
+            {"run": "bb", "offline_tau": 1.5}]
+    text = compare.table(rows)
+    lines = text.splitlines()
+    assert lines[0].split() == ["run", "train_loss", "offline_tau", "online_accept_length"]
+    assert set(lines[1]) == {"-"}
+    assert lines[2].split() == ["a", "kl", "2.123"]
+    assert lines[3].split() == ["bb", "1.500"]
+    assert "unrelated" not in text
+    assert compare.table([]) == "(empty)"
+
+
+# ---------------------------------------------------------------------------------------------------------- online
+def test_serving_args_plain_and_eagle3():
+    plain = online.Serving("plain", extra_args=["--cuda-graph-max-bs", "4"])
+    assert plain.args() == ["--cuda-graph-max-bs", "4"] and plain.label() == "plain"
+    assert not any(a.startswith("--speculative") for a in online.Serving("p").args())
+    s = online.Serving("main", drafter=Path("/d/x"), steps=5, topk=2, draft_tokens=8, extra_args=["--foo"])
+    a = s.args()
+    assert a[-1] == "--foo"
+    kv = dict(zip(a[:-1:2], a[1:-1:2]))
+    assert kv == {"--speculative-algorithm": "EAGLE3", "--speculative-draft-model-path": "/d/x",
+                  "--speculative-num-steps": "5", "--speculative-eagle-topk": "2",
+                  "--speculative-num-draft-tokens": "8", "--decode-log-interval": "1"}
+    assert all(isinstance(x, str) for x in a)
+    assert s.label() == "main (5,2,8)"
+
+
+def _measured(tps, accepts=None):
+    """A measure_server-shaped result at concurrency 1."""
+    rounds = []
+    for i, t in enumerate(tps):
+        r = {"output_tokens_per_s": t, "requests": 4}
+        if accepts is not None and accepts[i] is not None:
+            r["accept_length"] = accepts[i]
+        rounds.append(r)
+    return {1: {"rounds": rounds, "output_tokens_per_s_median": statistics.median(tps),
+                "output_tokens_per_s_min": min(tps), "output_tokens_per_s_max": max(tps)}}
+
+
+def test_summarize_speedup_and_breakeven():
+    plain = _measured([90.0, 100.0, 130.0])
+    spec = _measured([140.0, 150.0, 400.0], accepts=[2.0, 2.6, None])
+    s = online.summarize(plain, spec, 1)
+    assert s["speedup"] == pytest.approx(1.5)  # medians, not means
+    assert s["accept_length"] == pytest.approx(2.3)
+    assert s["breakeven_accept_length"] == pytest.approx(2.3 / 1.5)
+    assert s["plain_tokens_per_s"] == 100.0 and s["spec_tokens_per_s"] == 150.0
+
+
+def test_summarize_without_accept_or_plain_speed():
+    s = online.summarize(_measured([100.0]), _measured([80.0]), 1)
+    assert s["speedup"] == pytest.approx(0.8) and s["accept_length"] is None and "breakeven_accept_length" not in s
+    s = online.summarize(_measured([0.0]), _measured([80.0], accepts=[2.0]), 1)
+    assert s["speedup"] == 0.0 and s["breakeven_accept_length"] is None

@@ -1,0 +1,49 @@
+"""GPU: a drafter trained on CUDA from states captured on CUDA, served by SGLang 0.5.14 (EAGLE3): SGLang's draft
+holds every exported tensor, computes the trained network's logits on its own inputs, is fed the layers the doctor
+predicts, and the off-by-one export is both fed other layers and flagged. (The full-size run: notebook 05 with
+params/gpu-smollm2-drafter.yaml; this is its small, fast form.)"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_trained_drafter_served_by_sglang(tmp_path, target_path):
+    from transformers import AutoTokenizer
+
+    from eagle3kit.acceptance import experiment, online
+    from eagle3kit.drafter.train import TrainConfig, train
+    from eagle3kit.pipeline import run_extraction
+
+    data = tmp_path / "data"
+    run_extraction(target=str(target_path), out_dir=data, engine="transformers", max_samples=32, max_tokens=512,
+                   heldout_percent=25, reference_device="cuda", reference_dtype="bfloat16", progress=False)
+    out = tmp_path / "drafter"
+    s = train(TrainConfig(data=str(data), out_dir=str(out), draft_vocab_size=4096, ttt_steps=3, max_steps=30,
+                          tokens_per_batch=2048, lr=1e-3, workers=1, progress=False))
+    assert s["train_steps"] == 30 and s["train_tokens_per_s"] > 0
+    tok = AutoTokenizer.from_pretrained(target_path)
+    prompts = online.heldout_prompts(data, tok, 4)
+    assert prompts, "no held-out prompts"
+    plan = experiment.OnlinePlan(target=str(target_path), drafter=str(out / "best"), sweep_steps=(3,), trees=(),
+                                 concurrencies=(1,), prompts_per_conc={1: 4}, max_new_tokens=32, rounds=1)
+    results = experiment.run(plan, prompts, tmp_path / "online")
+    proofs = experiment.prove(plan, results, tmp_path / "online", device="cuda")
+    m = experiment.summarize(plan, results, proofs, {})
+    report = Path(os.environ.get("E3K_TEST_OUT", tmp_path)) / "gpu-drafter-test.json"
+    report.write_text(json.dumps({"metrics": m, "proofs": proofs, "failed": results["failed"],
+                                  "train": s}, indent=1, default=str))
+    assert not results["failed"], results["failed"]
+    p, o = proofs["proof"], proofs["offbyone"]
+    # SGLang's draft (fc_norm off) holds 11 parameters: embed_tokens, fc, norm, 7 of layers.0 (qkv_proj, o_proj,
+    # gate_up_proj, down_proj, 3 norms) and lm_head; d2t is not a parameter (it becomes hot_token_id).
+    assert p["export_params_unloaded"] == 0 and p["export_params_checked"] == 11, p
+    assert not p["export_tensors_not_held"] and "prompts_error" not in p, p
+    assert p["export_logits_max_rel_err"] < 0.05 and p["export_logits_argmax_agreement"] > 0.95, p
+    assert p["doctor_verified"] and p["doctor_ok"], p
+    assert o["doctor_verified"] and not o["doctor_ok"], o
+    assert o["fed_layer_ids"] != p["fed_layer_ids"]
+    assert m["online_accept_length"] >= 1.0 and m["plain_tokens_per_s"] > 0
