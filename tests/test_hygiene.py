@@ -11,7 +11,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def test_there_are_pipeline_notebooks():
-    assert [p.stem for p in NOTEBOOKS] == ["00_target", "01_tp_check", "02_capture_spec", "03_extract"]
+    assert [p.stem for p in NOTEBOOKS] == ["00_target", "01_tp_check", "02_capture_spec", "03_extract",
+                                             "04_train", "05_acceptance", "06_compare"]
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)

@@ -12,8 +12,10 @@ def test_demo_pipeline_small(tmp_path):
     r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "run", str(ROOT / "params" / "demo.yaml"),
                         "--run-dir", str(run_dir), "--set", "00_target.max_new_tokens=8",
                         "--set", "01_tp_check.num_prompts=2", "--set", "02_capture_spec.num_concurrent=16",
-                        "--set", "02_capture_spec.max_len=160", "--set", "03_extract.max_samples=6",
-                        "--set", "03_extract.compact_samples=2", "--set", "03_extract.max_tokens=256"],
+                        "--set", "02_capture_spec.max_len=160", "--set", "03_extract.compact_samples=2", "--set", "03_extract.max_tokens=256",
+                        "--set", "03_extract.max_samples=24", "--set", "03_extract.heldout_percent=25",
+                        "--set", "04_train.epochs=4", "--set", "04_train.tokens_per_batch=1024",
+                        "--set", "05_acceptance.offline_steps=3"],
                        capture_output=True, text=True, cwd=ROOT, timeout=1500)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     m = json.loads((run_dir / "metrics.json").read_text())
@@ -23,6 +25,10 @@ def test_demo_pipeline_small(tmp_path):
     assert m["capture_max_rel_err"] < 0.01  # batched vs single forward, fp32 reference stored in bf16
     assert m["extract_failed"] == 0 and m["extract_samples"] == m["extract_verified"] > 0
     assert 0.5 < m["bytes_ratio_best"] < 0.6 and m["fp8_read_back_rel_err"] < 0.05
+    assert m["train_steps"] > 0 and m["heldout_loss_pos0"] < m["initial_heldout_loss_pos0"]
+    assert m["train_acc_pos0"] > m["baseline_acc_pos0"] and m["export_doctor_ok"] and m["export_loadback_max_rel_err"] < 0.05
+    assert m["offline_acc_pos0"] > m["offline_baseline_acc_pos0"] and m["offline_tau_3"] >= m["offline_tau_1"] > 1.0
+    assert m["compare_runs"] == 1
     status = json.loads((run_dir / "status.json").read_text())
     assert all(s["state"] == "ok" for s in status.values())
     for step in status:

@@ -1,4 +1,5 @@
-"""``eagle3kit`` command line: run (the notebook pipeline), extract, verify, export, doctor, materialize."""
+"""``eagle3kit`` command line: run (the notebook pipeline), extract, verify, derive, train, export, doctor, compare,
+materialize."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,8 @@ def _extract(a):
                              storage=a.storage, concurrency=a.concurrency, world_size=a.world_size, rank=a.rank,
                              final_normed=a.final_normed, server_args=a.server_args, seed=a.seed,
                              heldout_percent=a.heldout_percent, regenerate=a.regenerate,
-                             regenerate_max_new_tokens=a.regenerate_max_new_tokens)
+                             regenerate_max_new_tokens=a.regenerate_max_new_tokens,
+                             reference_device=a.reference_device, reference_dtype=a.reference_dtype, port=a.port)
     failures = summary.pop("failures_list", [])
     print(json.dumps(summary, indent=1, default=str))
     for f in failures[:5]:
@@ -39,8 +41,52 @@ def _verify(a):
 def _export(a):
     from eagle3kit import export
 
+    src = Path(a.out)
+    if (src / "train.json").exists() or (src / "eagle3kit.json").exists():  # a drafter: training folder or export
+        from eagle3kit.drafter.export import export_drafter
+
+        print(json.dumps(export_drafter(src, a.dest, a.format, checkpoint=a.checkpoint,
+                                        sglang_layer_ids=a.override_sglang_layer_ids), indent=1))
+        return 0
+    if a.format == "sglang":
+        raise ValueError(f"{src} is not a drafter (no train.json / eagle3kit.json): `export sglang` writes a trained "
+                         f"drafter for SGLang; pass the out_dir of `eagle3kit train`")
     fn = {"speculators": export.to_speculators, "specforge": export.to_specforge}[a.format]
     print(json.dumps(fn(a.out, a.dest, split=a.split), indent=1))
+    return 0
+
+
+def _derive(a):
+    from eagle3kit.store import derive
+
+    print(json.dumps(derive(a.out, a.dest, storage=a.storage, final_slot=a.final_slot), indent=1))
+    return 0
+
+
+def _train(a):
+    from eagle3kit.drafter.train import TrainConfig, train
+
+    overrides = {}
+    for item in a.set:
+        import yaml
+
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: write KEY=VALUE (e.g. --set ttt_steps=7)")
+        k, v = item.split("=", 1)
+        overrides[k] = yaml.safe_load(v)
+    cfg = TrainConfig.from_dict({"data": a.data, "out_dir": a.out, **overrides})
+    summary = train(cfg)
+    print(json.dumps(summary, indent=1, sort_keys=True))
+    return 0 if summary.get("train_steps", 0) > 0 else 1
+
+
+def _compare(a):
+    from eagle3kit.acceptance.compare import collect, write_report
+
+    rows = collect(a.runs)
+    if not rows:
+        raise ValueError(f"no metrics.json with acceptance or training figures under {a.runs}")
+    print(write_report(rows, Path(a.out)))
     return 0
 
 
@@ -48,9 +94,23 @@ def _doctor(a):
     from eagle3kit.layers import check
     from eagle3kit.target import TargetInfo, resolve_target
 
-    info = TargetInfo.read(resolve_target(a.target))
-    drafter = json.loads(Path(a.drafter_config).read_text())
-    d = check(a.capture_layers + [info.num_layers], drafter, info.model_type, info.num_layers)
+    if a.drafter:
+        from eagle3kit.doctor import diagnose
+
+        d = diagnose(a.drafter, target=a.target, data=a.data)
+    else:
+        if not (a.drafter_config and a.capture_layers):
+            raise ValueError("doctor needs --drafter DIR (an exported drafter), or --drafter-config and --capture-layers")
+        info = TargetInfo.read(resolve_target(a.target or "embedded:smollm2"))
+        try:
+            drafter = json.loads(Path(a.drafter_config).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--drafter-config {a.drafter_config}: not a readable JSON config ({e})") from None
+        d = check(a.capture_layers + [info.num_layers], drafter, info.model_type, info.num_layers)
+        if a.data:
+            from eagle3kit.doctor import check_data
+
+            d.findings.extend(check_data(a.data, a.target or "embedded:smollm2").findings)
     print(d)
     return 0 if d.ok else 1
 
@@ -85,22 +145,47 @@ def main(argv=None) -> int:
     e.add_argument("--regenerate-max-new-tokens", type=int, default=256)
     e.add_argument("--seed", type=int, default=0, help="seed of the train/held-out split")
     e.add_argument("--heldout-percent", type=float, default=5.0)
+    e.add_argument("--port", type=int, default=30000, help="port of the SGLang server started here")
+    e.add_argument("--reference-device", default="cpu", help="transformers engine: cpu or cuda")
+    e.add_argument("--reference-dtype", default="float32", help="transformers engine: float32 or bfloat16")
     e.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="SGLang flags for the server started here (sglang engine, no --urls); last on the line")
 
     v = sub.add_parser("verify", help="check an extracted data set (checksums, tokens, shapes, finiteness)")
     v.add_argument("out")
 
-    x = sub.add_parser("export", help="write an extracted data set in a trainer's layout")
-    x.add_argument("format", choices=["speculators", "specforge"])
-    x.add_argument("out")
+    x = sub.add_parser("export", help="a trained drafter for SGLang or speculators/vLLM, or a data set for a trainer")
+    x.add_argument("format", choices=["sglang", "speculators", "specforge"])
+    x.add_argument("out", help="a training out_dir (drafter) or an extracted data set")
     x.add_argument("dest")
-    x.add_argument("--split", default="train")
+    x.add_argument("--split", default="train", help="data sets: which split")
+    x.add_argument("--checkpoint", default="best", choices=["best", "final"], help="drafters: which export")
+    x.add_argument("--override-sglang-layer-ids", type=int, nargs="+", default=None,
+                   help="drafters, sglang: write these layer ids instead of the training layers' (experiments only; "
+                        "the doctor flags the result)")
 
-    d = sub.add_parser("doctor", help="check capture layers against a drafter config for SGLang")
-    d.add_argument("--target", default="embedded:smollm2")
-    d.add_argument("--capture-layers", nargs="+", type=int, required=True, help="input_of_layer ids (aux)")
-    d.add_argument("--drafter-config", required=True)
+    g = sub.add_parser("derive", help="a data set re-encoded: fp8 storage, or the final slot post-norm (experiment)")
+    g.add_argument("out")
+    g.add_argument("dest")
+    g.add_argument("--storage", choices=["bf16", "fp8"], default=None)
+    g.add_argument("--final-slot", choices=["post_norm"], default=None)
+
+    t = sub.add_parser("train", help="train an EAGLE-3 drafter on an extracted data set (torchrun for several ranks)")
+    t.add_argument("--data", required=True, help="eagle3kit data set (or speculators export)")
+    t.add_argument("--out", required=True)
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any TrainConfig setting, e.g. --set ttt_steps=7 --set loss=kl --set lm_head=frozen")
+
+    c = sub.add_parser("compare", help="accept-length and speedup table and plots of several runs' metrics.json")
+    c.add_argument("runs", nargs="+", help="run folders or metrics.json files (searched recursively)")
+    c.add_argument("--out", default="outputs/compare")
+
+    d = sub.add_parser("doctor", help="will SGLang feed a drafter what it was trained on? (layers, norms, options)")
+    d.add_argument("--drafter", help="an exported drafter folder (config.json + eagle3kit.json)")
+    d.add_argument("--target", default=None, help="default: the drafter's recorded target (or embedded:smollm2)")
+    d.add_argument("--capture-layers", nargs="+", type=int, help="input_of_layer ids (aux), with --drafter-config")
+    d.add_argument("--drafter-config", help="a drafter config.json, with --capture-layers")
+    d.add_argument("--data", help="also check a captured data set's final slot (pre-norm)")
 
     m = sub.add_parser("materialize", help="write the embedded model as a Hugging Face directory; print its path")
     m.add_argument("name", nargs="?", default="smollm2")
@@ -121,7 +206,8 @@ def main(argv=None) -> int:
 
             print(materialize(a.name))
             return 0
-        return {"extract": _extract, "verify": _verify, "export": _export, "doctor": _doctor}[a.cmd](a)
+        return {"extract": _extract, "verify": _verify, "export": _export, "doctor": _doctor, "derive": _derive,
+                "train": _train, "compare": _compare}[a.cmd](a)
     except (ParamsError, StepFailed, ValueError, RuntimeError, FileNotFoundError) as err:
         print(f"eagle3kit {a.cmd}: {err}", file=sys.stderr)
         return 2 if isinstance(err, (ParamsError, ValueError)) else 1

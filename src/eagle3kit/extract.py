@@ -41,6 +41,8 @@ def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int 
     for i, conv in enumerate(conversations):
         if i % world_size != rank:
             continue
+        if not any(m.get("role") == "assistant" for m in conv["messages"]):  # e.g. regeneration cut at the context
+            continue
         r = render(tokenizer, conv["messages"], max_tokens=max_tokens)
         if sum(r.loss_mask) < min_loss_tokens:
             continue

@@ -19,7 +19,8 @@ def default_aux(num_layers: int) -> list[int]:
 def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir="outputs/extract", engine="transformers",
                    urls=(), aux_layer_ids=None, max_samples=None, max_tokens=2048, storage="bf16", concurrency=64,
                    world_size=1, rank=0, final_normed=False, server_args=(), progress=True, seed=0,
-                   heldout_percent=5.0, regenerate=False, regenerate_max_new_tokens=256) -> dict:
+                   heldout_percent=5.0, regenerate=False, regenerate_max_new_tokens=256, reference_device="cpu",
+                   reference_dtype="float32", port=30000) -> dict:
     path = resolve_target(target)
     info = TargetInfo.read(path)
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
@@ -31,13 +32,15 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
     if regenerate:
         settings["regenerated_max_new_tokens"] = regenerate_max_new_tokens
     if engine == "transformers":
-        reference = ReferenceEngine(path, aux, final_normed=final_normed)
+        reference = ReferenceEngine(path, aux, final_normed=final_normed, dtype=reference_dtype,
+                                    device=reference_device)
         backend = ReferenceBackend(reference, storage)
     elif engine == "sglang":
         def start_server():
             from eagle3kit.capture.server import capture_server
 
-            s = capture_server(path, Path(out_dir) / "samples", aux, final_normed=final_normed, storage=storage,
+            s = capture_server(path, Path(out_dir) / "samples", aux, port=port, final_normed=final_normed,
+                               storage=storage,
                                extra_args=server_args, log_path=Path(out_dir) / "sglang.log")
             s.start().wait_healthy()
             return s
@@ -51,12 +54,12 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
         from eagle3kit.data.regenerate import SGLangGenerator, TransformersGenerator
 
         if engine == "transformers":
-            generator = TransformersGenerator(reference.tokenizer, reference.model)
+            generator = TransformersGenerator(reference.tokenizer, reference.model, max_context=max_tokens)
         else:
             def serving():  # the capture server generates too (its hook ignores these requests); started on need
                 backend.prepare()
                 return backend.urls
-            generator = SGLangGenerator(serving, tok)
+            generator = SGLangGenerator(serving, tok, max_context=max_tokens)
     t_data = time.time()
     try:
         samples, report = load_samples(data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank,

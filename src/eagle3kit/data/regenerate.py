@@ -10,15 +10,21 @@ import itertools
 import threading
 
 
+class ContextFull(Exception):
+    """The conversation so far already fills the context: later turns would be cut off the sample anyway."""
+
+
 class TransformersGenerator:
-    def __init__(self, tokenizer, model):
-        self.tok, self.model = tokenizer, model
+    def __init__(self, tokenizer, model, max_context: int | None = None):
+        self.tok, self.model, self.max_context = tokenizer, model, max_context
 
     def __call__(self, messages, max_new_tokens: int) -> str:
         import torch
 
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = self.tok(text, add_special_tokens=False, return_tensors="pt").input_ids.to(self.model.device)
+        if self.max_context and ids.shape[1] >= self.max_context:
+            raise ContextFull(f"{ids.shape[1]} tokens")
         with torch.no_grad():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                       do_sample=False)
@@ -30,8 +36,9 @@ class SGLangGenerator:
     requests spread over ``urls`` in turn (data-parallel servers). ``urls`` may be a callable that gives them on the
     first reply needed (so that a resumed run whose replies are all cached starts no server)."""
 
-    def __init__(self, urls, tokenizer, timeout: float = 600):
+    def __init__(self, urls, tokenizer, timeout: float = 600, max_context: int | None = None):
         self._urls, self._resolved = urls, None
+        self.max_context = max_context
         if not callable(urls):
             self._resolve()
         self.tok, self.timeout = tokenizer, timeout
@@ -58,9 +65,13 @@ class SGLangGenerator:
 
         text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = self.tok(text, add_special_tokens=False).input_ids
+        if self.max_context and len(ids) >= self.max_context:
+            raise ContextFull(f"{len(ids)} tokens")
         url = self.urls[next(self._turn) % len(self.urls)]
         r = requests.post(url + "/generate", timeout=self.timeout, json={
             "input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}})
+        if r.status_code == 400:  # SGLang refuses a prompt longer than its context: end the conversation there
+            raise ContextFull(f"server refused {len(ids)} tokens: {r.text[:200]}")
         r.raise_for_status()
         return r.json()["text"].strip()
 
@@ -69,13 +80,18 @@ def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: 
     """New conversations whose assistant turns are the target's replies to the preceding turns, yielded in order
     as each is ready (so that a caller can keep them before the next one is generated)."""
     def one(conv):
-        messages = []
+        messages, cut = [], None
         for m in conv["messages"]:
             if m["role"] == "assistant":
-                messages.append({"role": "assistant", "content": generate(messages, max_new_tokens)})
+                try:
+                    messages.append({"role": "assistant", "content": generate(messages, max_new_tokens)})
+                except ContextFull as e:  # the sample is cut at the context anyway: keep the turns so far
+                    cut = str(e)
+                    messages = messages[:-1] if messages and messages[-1]["role"] == "user" else messages
+                    break
             else:
                 messages.append(m)
-        return {**conv, "messages": messages, "regenerated": True}
+        return {**conv, "messages": messages, "regenerated": True, **({"cut_at_context": cut} if cut else {})}
     if concurrency <= 1:
         yield from map(one, conversations)
         return
