@@ -64,8 +64,13 @@ def test_check_pre_vs_post_norm_and_norm_before_residual():
     assert not post.ok and "after the norm" in str(post)
     missing_final = check([2, 15, 27], {}, "llama", 30)
     assert not missing_final.ok
-    warn = check([2, 15, 27, 30], {"norm_before_residual": True}, "llama", 30)
-    assert warn.ok and any(f.level == "warning" for f in warn.findings)
+    # options SGLang 0.5.14 does not read: the export would run another network, so the doctor refuses it
+    for cfg in ({"norm_before_residual": True}, {"norm_before_fc": True}, {"sliding_window": 2048},
+                {"transformer_layer_config": {"layer_types": ["sliding_attention"], "sliding_window": 512}},
+                {"transformer_layer_config": {"norm_before_residual": True}}):
+        assert not check([2, 15, 27, 30], cfg, "llama", 30).ok, cfg
+    for cfg in ({"fc_norm": True, "norm_output": True}, {"norm_before_residual": False, "norm_before_fc": False}):
+        assert check([2, 15, 27, 30], cfg, "llama", 30).ok, cfg
 
 
 def test_doctor_command_reports_and_exits_nonzero_on_mismatch(tmp_path, target_path, capsys):
