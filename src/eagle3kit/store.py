@@ -156,7 +156,7 @@ def derive(src, dest, storage: str | None = None, final_slot: str | None = None,
     ``encode`` the capture writer uses) and/or ``final_slot="post_norm"`` (the last slot replaced by the final norm's
     output, what an engine that hands out post-norm states gives; for the acceptance experiment, needs a capture
     with ``final_normed``). Splits, keys and loss spans are kept; ``dest`` must be new."""
-    from eagle3kit.capture.format import sample_name, write_sample
+    from eagle3kit.capture.format import write_sample
 
     src, dest = Path(src), Path(dest)
     if dest.exists() and any(dest.iterdir()):

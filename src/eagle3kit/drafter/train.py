@@ -341,7 +341,6 @@ def _check_resume(out: Path, cfg: TrainConfig) -> None:
 
 def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     """Train (or resume) and return the summary written to ``<out_dir>/metrics.json``."""
-    from eagle3kit.drafter.export import to_sglang
     from eagle3kit.drafter.model import trainable_state
     from eagle3kit.drafter.ttt import TTTModule
 
