@@ -372,3 +372,45 @@ def test_chain_counts_tensor_round_trip_and_add():
     assert c.loss_sum == pytest.approx([3.6, 6.2, 10.3]) and c.loss_rows == [8, 7, 6]
     assert c.baseline_hits == 3 and c.greedy_path == 4
     assert c.metrics()["acc_pos0"] == pytest.approx(6 / 8)
+
+
+def test_servable_check_refuses_what_sglang_does_not_read():
+    from eagle3kit.drafter.model import DrafterError, check_servable
+
+    for bad in ({"norm_before_residual": True}, {"norm_before_fc": True},
+                {"transformer_layer_config": {"sliding_window": 2048}},
+                {"transformer_layer_config": {"layer_types": ["sliding_attention"]}}):
+        with pytest.raises(DrafterError):
+            check_servable(bad)
+    check_servable({"norm_before_residual": False, "norm_before_fc": False, "fc_norm": True, "norm_output": True,
+                    "transformer_layer_config": {"sliding_window": None}})
+
+
+def test_regeneration_stops_at_the_context_and_empty_conversations_are_skipped():
+    from eagle3kit.data.regenerate import ContextFull, regenerate
+    from eagle3kit.extract import prepare_samples
+
+    def gen(messages, n):
+        if sum(len(m["content"]) for m in messages) > 20:
+            raise ContextFull("full")
+        return "ok"
+    convs = [{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+                                      {"role": "user", "content": "a long question " * 3},
+                                      {"role": "assistant", "content": "y"}]},
+             {"id": "b", "messages": [{"role": "user", "content": "too long already " * 3},
+                                      {"role": "assistant", "content": "z"}]}]
+    a, b = list(regenerate(convs, gen, 8))
+    assert [m["content"] for m in a["messages"]] == ["hi", "ok"] and a["cut_at_context"] == "full"
+    assert b["messages"] == []
+
+    class Tok:  # prepare_samples must skip b before rendering it (rendering [] fails)
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, **kw):
+            if not messages:
+                raise IndexError("empty conversation rendered")
+            return "".join(m["content"] for m in messages)
+
+        def __call__(self, text, **kw):
+            return {"input_ids": list(range(len(text))), "offset_mapping": [(i, i + 1) for i in range(len(text))]}
+    assert [s.conv_id for s in prepare_samples([a, b], Tok(), max_tokens=64)] == ["a"]

@@ -37,6 +37,24 @@ def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
     return d
 
 
+def final_slot(source, norm_weight, probe: int = 4) -> tuple[bool, float, bool | None]:
+    """(post-norm?, share of probed tokens that look normed, what the data set records) for a captured source: the
+    last slot must hold the state *before* the final norm (speculators' and eagle3kit's teacher applies the norm)."""
+    from eagle3kit.drafter.data import SampleError
+
+    shares = []
+    for i in range(len(source)):
+        if len(shares) == probe:
+            break
+        try:  # a bad sample is the loader's to count and skip; probe the readable ones
+            shares.append(post_norm_share(source.load(i)["hidden_states"][:, -1], norm_weight))
+        except SampleError:
+            continue
+    share = max(shares) if shares else 0.0
+    recorded = source.info().final_pre_norm
+    return recorded is False or share > 0.5, share, recorded
+
+
 def check_data(data, target, probe: int = 4) -> Diagnosis:
     """The final slot of a captured data set holds the state before the final norm (by record and by value)."""
     from eagle3kit.drafter.data import open_source
@@ -44,12 +62,9 @@ def check_data(data, target, probe: int = 4) -> Diagnosis:
     from eagle3kit.target import resolve_target
 
     d = Diagnosis()
-    src = open_source(data, None)
-    head = TargetHead.from_target(resolve_target(target))
-    shares = [post_norm_share(src.load(i)["hidden_states"][:, -1], head.norm_weight) for i in range(min(probe, len(src)))]
-    share = max(shares) if shares else 0.0
-    recorded = src.info().final_pre_norm
-    if recorded is False or share > 0.5:
+    post, share, recorded = final_slot(open_source(data, None), TargetHead.from_target(resolve_target(target)).norm_weight,
+                                       probe)
+    if post:
         d.findings.append(Finding("error", f"{data}: the final slot holds post-norm states ({share:.0%} of probed tokens "
                                   f"have RMS(state / norm weight) = 1; recorded as "
                                   f"{'post-norm' if recorded is False else 'pre-norm'}); a trainer that applies the "

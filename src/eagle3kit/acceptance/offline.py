@@ -37,9 +37,7 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
     most = meta.get("most_frequent_token")
     if most is None:
         most = int(torch.argmax(count_frequencies(D.open_source(data, "train"), tinfo.vocab_size)))
-    head = TargetHead.from_target(target).to(dev)
-    if dev.type == "cpu":
-        head = head.float()
+    head = TargetHead.from_target(target).placed(dev)
     tc = TrainConfig(data=str(data), out_dir="", tokens_per_batch=tokens_per_batch, ttt_steps=1, serving_steps=1)
     return Run(tc, Dist(), dev, None, source, info, target, vocab, torch.zeros(0), model.to(dev).eval(), head,
                vocab.target_to_draft().to(dev), vocab.ids.to(dev), int(most),

@@ -166,3 +166,23 @@ def export_drafter(src, dest, fmt: str, checkpoint: str = "best", sglang_layer_i
     else:
         raise ExportError(f"format {fmt!r}: drafters export to 'sglang' or 'speculators'")
     return {"format": fmt, "dest": str(out), "from": str(export_dir)}
+
+
+@torch.no_grad()
+def loadback_rel_err(train_dir, data_dir, rows: int = 256) -> float:
+    """The ``final/`` export loaded back (bf16, as SGLang gets it) against the last checkpoint's fp32 weights on one
+    held-out sample (the first training one when nothing is held out): max per-row relative error of the logits."""
+    from eagle3kit.drafter import data as D
+    from eagle3kit.drafter.ttt import draft_steps
+
+    train_dir = Path(train_dir)
+    exported, _, meta = load_sglang_export(train_dir / "final")
+    trained, _, _ = load_sglang_export(train_dir / "final")
+    ckpt = torch.load(train_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+    trained.load_state_dict(ckpt["model"], strict=False)
+    held = D.CaptureSource(data_dir, "heldout")
+    src = held if len(held) else D.CaptureSource(data_dir, "train")
+    b = D.collate([D.align(src.load(0), len(meta["capture_layer_ids"]), exported.hidden_size, rows)])
+    x, y = (next(draft_steps(m.float(), b["aux"].float(), b["input_ids"], b["doc_ids"], b["position_ids"], 1))
+            for m in (exported, trained))
+    return float(((x - y).norm(dim=-1) / y.norm(dim=-1)).max())

@@ -131,6 +131,11 @@ class TargetHead(torch.nn.Module):
         cfg = layer_config(target_path)
         return cls(w["model.norm.weight"], w.get("lm_head.weight", w["embed_tokens.weight"]), cfg.rms_norm_eps)
 
+    def placed(self, device) -> "TargetHead":
+        """On ``device``; float32 on a CPU (bf16 matmuls are slow there), the stored dtype on a GPU."""
+        head = self.to(device)
+        return head.float() if torch.device(device).type == "cpu" else head
+
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         x = h.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

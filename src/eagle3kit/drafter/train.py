@@ -15,6 +15,7 @@ j % N == r, so N ranks with ``grad_accum`` a see the same global batches as one 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -168,15 +169,12 @@ def _aux_ids(cfg: TrainConfig, info: D.SourceInfo, num_layers: int) -> list[int]
     return list(ids)
 
 
-def _check_final_slot(cfg: TrainConfig, source, info: D.SourceInfo, head, probe: int = 4) -> None:
-    """The teacher applies the target's final norm to the last slot: it must hold the state *before* the norm.
-    Checked from the data set's settings and from the values of the first samples (``layers.post_norm_share``)."""
-    from eagle3kit.layers import post_norm_share
+def _check_final_slot(cfg: TrainConfig, source, head) -> None:
+    """The teacher applies the target's final norm to the last slot: it must hold the state *before* the norm."""
+    from eagle3kit.doctor import final_slot
 
-    shares = [post_norm_share(source.load(i)["hidden_states"][:, -1], head.norm_weight) for i in
-              range(min(probe, len(source)))]
-    share = max(shares) if shares else 0.0
-    if (info.final_pre_norm is False or share > 0.5) and not cfg.allow_post_norm_final:
+    post, share, _ = final_slot(source, head.norm_weight)
+    if post and not cfg.allow_post_norm_final:
         raise TrainError(f"{cfg.data}: the last slot holds the final norm's output (post-norm: "
                          f"{share:.0%} of probed tokens have RMS(state / norm weight) = 1), but the teacher applies "
                          f"the norm itself, so it would learn from logits of a twice-normed state. Fix: capture with "
@@ -215,7 +213,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     info.n_states = len(aux) + 1
     info.hidden_size = tinfo.hidden_size
     head = TargetHead.from_target(target)
-    _check_final_slot(cfg, train_src, info, head)
+    _check_final_slot(cfg, train_src, head)
     out = Path(cfg.out_dir)
     vocab_file = out / "vocab.pt"
     if vocab_file.exists():
@@ -229,9 +227,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
             _atomic_save({**vocab.state(), "freq": freq}, vocab_file)
     model = build(target, aux, vocab, cfg.num_layers, cfg.fc_norm, cfg.norm_output,
                   train_lm_head=cfg.lm_head == "trained", ttt_steps=cfg.ttt_steps).to(device)
-    head = head.to(device)
-    if device.type == "cpu":
-        head = head.float()
+    head = head.placed(device)
     return Run(cfg, dist, device, train_src, heldout_src, info, target, vocab, freq, model, head,
                vocab.target_to_draft().to(device), vocab.ids.to(device), int(torch.argmax(freq)),
                extra={"aux_layer_ids": aux, "num_layers": tinfo.num_layers, "model_type": tinfo.model_type})
@@ -248,11 +244,7 @@ def _to(batch: dict, device) -> dict:
 
 
 def _autocast(device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    import contextlib
-
-    return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = True):
@@ -440,7 +432,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 if batch is None:
                     batch = _empty_batch(run)
                 sync = dist.world == 1 or micro == cfg.grad_accum - 1
-                ctx = module.no_sync() if not sync and hasattr(module, "no_sync") else _null()
+                ctx = module.no_sync() if not sync and hasattr(module, "no_sync") else contextlib.nullcontext()
                 with ctx:
                     loss, c = forward_batch(run, module, batch, cfg.ttt_steps)
                     (loss / cfg.grad_accum).backward()
@@ -488,12 +480,6 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     if dist.rank == 0:
         (out / "metrics.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     return summary
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _empty_batch(run: Run) -> dict:
