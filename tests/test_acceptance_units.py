@@ -471,3 +471,27 @@ def test_summarize_without_accept_or_plain_speed():
     assert s["speedup"] == pytest.approx(0.8) and s["accept_length"] is None and "breakeven_accept_length" not in s
     s = online.summarize(_measured([0.0]), _measured([80.0], accepts=[2.0]), 1)
     assert s["speedup"] == 0.0 and s["breakeven_accept_length"] is None
+
+
+def test_experiment_summary_per_backend_and_controls(tmp_path):
+    """Each backend's speedup is against the plain server of the same backend; the controls' figures are against the
+    plain default; a failed optional server is counted apart from the required ones."""
+    from eagle3kit.acceptance import experiment
+
+    plan = experiment.OnlinePlan(target="t", drafter="d", controls={"engine": "e"}, sweep_steps=(1, 3), trees=(),
+                                 backends=("flashinfer",), concurrencies=(1,))
+    names = [s.name for s in experiment.servings(plan, tmp_path)]
+    assert names == ["plain", "main", "steps1", "engine", "offbyone", "plain-flashinfer", "main-flashinfer", "proof"]
+    srv = {"plain": _measured([100.0]), "main": _measured([150.0], [2.4]), "engine": _measured([90.0], [1.3]),
+           "offbyone": _measured([80.0], [1.1]), "plain-flashinfer": _measured([120.0]),
+           "main-flashinfer": _measured([240.0], [2.4])}
+    results = {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}, "failed": {"steps1": "oom"}}
+    m = experiment.summarize(plan, results, {}, {"main": {"offline_tau_3": 2.5}, "engine": {"offline_tau_3": 1.4}})
+    assert m["online_speedup"] == pytest.approx(1.5) and m["online_accept_length"] == pytest.approx(2.4)
+    assert m["flashinfer_speedup"] == pytest.approx(2.0) and m["flashinfer_breakeven_accept_length"] == pytest.approx(1.2)
+    assert m["breakeven_accept_length"] == pytest.approx(1.6)
+    assert m["engine_control_accept_length"] == pytest.approx(1.3) and m["engine_speedup"] == pytest.approx(0.9)
+    assert m["negative_control_accept_length"] == pytest.approx(1.1) and m["engine_offline_tau"] == 1.4
+    assert m["offline_online_rel_gap"] == pytest.approx(0.1 / 2.4)
+    assert not any(k.startswith(("plain-", "main-")) for k in m)
+    assert m["online_servers_failed"] == 1 and m["online_required_servers_failed"] == 0

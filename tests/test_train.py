@@ -121,6 +121,23 @@ def test_final_slot_must_be_pre_norm(small_dataset, tmp_path, target_path):
     assert not check_data(post, str(target_path)).ok and check_data(small_dataset, str(target_path)).ok
 
 
+def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_path):
+    """A plan far longer than the budget: fitted to the measured pace, it ends at the minimum lr, in time, with an
+    evaluation of the last step (without fit_schedule it would stop mid-plan at a high lr)."""
+    budget = 0.25  # minutes
+    t0 = time.time()
+    s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=budget, eval_every=100_000,
+                          fit_schedule=True, **TINY))
+    took = time.time() - t0
+    assert 20 < s["train_steps"] == s["train_total_steps_fitted"] < s["train_total_steps_planned"], s
+    assert not s["train_stopped_early"]
+    rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
+    assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio, rel=1e-6)
+    evals = [json.loads(x) for x in (tmp_path / "f" / "evals.jsonl").read_text().splitlines()]
+    assert evals[-1]["step"] == s["train_steps"]
+    assert took < 60 * budget * 1.5 + 30, took  # setup and the first evaluation come on top of the budget
+
+
 def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
     out = tmp_path / "r"
     train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=1, **TINY))
@@ -129,7 +146,7 @@ def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [{"loss": "mse"}, {"lm_head": "tied"}, {"ttt_steps": 2, "serving_steps": 3},
-                                 {"tokens_per_batch": 4}, {"step_decay": 0}])
+                                 {"tokens_per_batch": 4}, {"step_decay": 0}, {"fit_schedule": True}])
 def test_bad_settings_are_refused(bad, small_dataset, tmp_path):
     with pytest.raises(TrainError):
         TrainConfig.from_dict({"data": str(small_dataset), "out_dir": str(tmp_path), **{**TINY, **bad}})

@@ -9,6 +9,7 @@ Servers (all started at once, measured one at a time; see ``online.shared_gpu_ar
   <control>                 other drafters (trained on other data) at the serving setting
   offbyone                  the main drafter exported with layer ids off by one (negative control), draft hooks on
   proof                     the main drafter, CUDA graphs off, draft hooks on: load proof and fed layers
+  plain-<b>, main-<b>       plain and main with attention backend <b> (batch 1): does it lower the break-even?
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class OnlinePlan:
     max_new_tokens: int = 256
     rounds: int = 2
     server_args: tuple = ("--attention-backend", "triton", "--sampling-backend", "pytorch")
+    backends: tuple = ()  # other attention backends for plain and main (batch 1), e.g. ("flashinfer",)
 
 
 def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
@@ -48,6 +50,9 @@ def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
     out += [online.Serving(name, path, s, t, d) for name, path in plan.controls.items()]
     if plan.offbyone:
         out.append(online.Serving("offbyone", str(work / "offbyone"), s, t, d, hooks=draft_hooks(work / "hooks-offbyone")))
+    for b in plan.backends:
+        out += [online.Serving(f"plain-{b}", extra_args=["--attention-backend", b]),
+                online.Serving(f"main-{b}", plan.drafter, s, t, d, extra_args=["--attention-backend", b])]
     if plan.proof:
         out.append(online.Serving("proof", plan.drafter, s, t, d, extra_args=["--disable-cuda-graph"],
                                   hooks=draft_hooks(work / "hooks-proof")))
@@ -98,8 +103,8 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
             full = name in ("plain", "main")
             conc = by_conc if full else {1: by_conc[1]}
             t1 = time.time()
-            m = online.measure_server(srv.url, conc, plan.max_new_tokens, rounds=plan.rounds if full else 1,
-                                      warmup=prompts[:2])
+            m = online.measure_server(srv.url, conc, plan.max_new_tokens, warmup=prompts[:2],
+                                      rounds=plan.rounds if full or _backend_of(name) else 1)
             results["servers"].setdefault(name, {}).update(
                 setting=[s.steps, s.topk, s.draft_tokens] if s.drafter else None, drafter=s.drafter, by_concurrency=m)
             b1 = m[1]
@@ -115,6 +120,13 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
             for rr in m["rounds"]:
                 rr.pop("_outputs", None)
     return results
+
+
+REQUIRED = ("plain", "main", "proof", "offbyone")  # without them the experiment shows nothing
+
+
+def _backend_of(name: str) -> str | None:
+    return name.split("-", 1)[1] if name.startswith(("plain-", "main-")) else None
 
 
 def _proof_requests(url: str, prompts) -> None:
@@ -196,6 +208,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
     """Flat metrics of the online experiment. ``offline``: name -> offline metrics (``offline_tau_{n}``) of that
     drafter on the held-out split ("main" and the controls)."""
     m: dict = {"online_servers_failed": len(results.get("failed", {})),
+               "online_required_servers_failed": len(set(results.get("failed", {})) & set(REQUIRED)),
                "online_startup_seconds": results.get("startup_seconds", 0.0)}
     srv = results["servers"]
     s, t, d = plan.serving
@@ -229,8 +242,17 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if m.get("online_accept_length"):
             m["offline_online_rel_gap"] = abs(m["offline_tau"] - m["online_accept_length"]) / m["online_accept_length"]
     plain1 = srv.get("plain", {}).get("by_concurrency", {}).get(1, {}).get("output_tokens_per_s_median")
+    for b in plan.backends:  # the same comparison within another attention backend (batch 1)
+        p, q = (srv.get(f"{w}-{b}", {}).get("by_concurrency", {}) for w in ("plain", "main"))
+        if 1 in p and 1 in q:
+            sm = online.summarize(p, q, 1)
+            m[f"{b}_plain_tokens_per_s"], m[f"{b}_spec_tokens_per_s"] = sm["plain_tokens_per_s"], sm["spec_tokens_per_s"]
+            m[f"{b}_speedup"] = sm["speedup"]
+            if sm["accept_length"] is not None:
+                m[f"{b}_accept_length"] = sm["accept_length"]
+                m[f"{b}_breakeven_accept_length"] = sm.get("breakeven_accept_length") or 0.0
     for name, r in srv.items():
-        if name in ("plain", "main", "proof") or "by_concurrency" not in r:
+        if name in ("plain", "main", "proof") or _backend_of(name) or "by_concurrency" not in r:
             continue
         a = _accept(results, name)
         key = {"offbyone": "negative_control"}.get(name, name)

@@ -71,6 +71,8 @@ class TrainConfig:
     device: str = "auto"
     progress: bool = True
     max_minutes: float = 0.0  # wall-clock budget of this invocation; 0: none (stops after an evaluation and a save)
+    fit_schedule: bool = False  # with max_minutes: after FIT_AFTER steps, cut the planned steps to what fits in the
+    # budget (measured pace, evaluations included) so warmup + cosine end in time instead of stopping at a high lr
 
     def validate(self) -> "TrainConfig":
         def need(ok, what):
@@ -88,6 +90,7 @@ class TrainConfig:
              "tokens_per_batch >= 16, grad_accum >= 1, epochs >= 1, max_steps >= 0")
         need(0 < self.step_decay <= 1, "step_decay in (0, 1]")
         need(self.draft_vocab_size >= 1, "draft_vocab_size >= 1")
+        need(not self.fit_schedule or self.max_minutes > 0, "fit_schedule needs max_minutes > 0 (the budget to fit)")
         return self
 
     @classmethod
@@ -292,15 +295,32 @@ def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int |
     return ChainCounts.from_tensor(steps, total)
 
 
-def _schedule(cfg: TrainConfig, total_steps: int):
-    warmup = max(1, math.ceil(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0
+FIT_AFTER = 20  # fit_schedule: optimizer steps timed before the plan is cut to the budget
+
+
+def _schedule(cfg: TrainConfig, state: dict):
+    """Linear warmup over warmup_ratio of the plan, then cosine to min_lr_ratio at ``state["total_steps"]``, read at
+    every step: fit_schedule may shorten the plan once (the state is checkpointed, so a resume agrees)."""
 
     def factor(step: int) -> float:
+        total = state["total_steps"]
+        warmup = max(1, math.ceil(cfg.warmup_ratio * total)) if cfg.warmup_ratio > 0 else 0
         if step < warmup:
             return (step + 1) / warmup
-        p = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        p = min(1.0, (step - warmup) / max(1, total - warmup))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
     return factor
+
+
+def _fitted_steps(cfg: TrainConfig, state: dict, seconds_so_far: float, steps_so_far: int, eval_seconds: float,
+                  steps_per_epoch: int) -> int:
+    """The planned total cut to what fits in max_minutes at the pace measured so far (never longer than planned)."""
+    pace = seconds_so_far / max(steps_so_far, 1)
+    left = 60 * cfg.max_minutes * 0.95 - seconds_so_far
+    more = max(0, int(left / pace))
+    evals = 1 + (more // cfg.eval_every if cfg.eval_every else more // max(steps_per_epoch, 1))
+    more = max(0, int((left - evals * eval_seconds) / pace))
+    return max(state["step"] + 1, min(state["total_steps"], state["step"] + more))
 
 
 def _rng_state() -> dict:
@@ -360,24 +380,26 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     params = [p for p in run.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg, total_steps))
     module = TTTModule(run.model)
     if dist.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         module = DDP(module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
     state = {"step": 0, "tokens": 0, "train_seconds": 0.0, "best_tau": -1.0, "best": {}, "skipped": 0,
-             "total_steps": total_steps}
+             "total_steps": total_steps, "planned_steps": total_steps}
     ckpt = out / "checkpoints" / "last.pt"
-    if ckpt.exists():
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False) if ckpt.exists() else None
+    if saved:
+        state.update(saved["state"])  # the plan as it was (fit_schedule may have cut it)
+        state.pop("stopped_early", None)  # a run stopped by max_minutes goes on when resumed
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg, state))
+    if saved:
         run.model.load_state_dict(saved["model"], strict=False)
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
         _set_rng(saved["rng"])
-        state = saved["state"]
-        state.pop("stopped_early", None)  # a run stopped by max_minutes goes on when resumed
-        print(f"[train] resumed from {ckpt} at step {state['step']} of {total_steps}", flush=True)
+        print(f"[train] resumed from {ckpt} at step {state['step']} of {state['total_steps']}", flush=True)
+    total_steps = state["total_steps"]
     eval_steps = cfg.eval_steps or cfg.ttt_steps
     bar = None
     if cfg.progress and dist.rank == 0:
@@ -408,10 +430,14 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
             export(run, out / "best", extra={"step": state["step"], "heldout": m})
         return m
 
+    eval_seconds = 0.0
     if state["step"] == 0 and not ckpt.exists():
+        t0 = time.time()
         state["initial"] = do_eval()  # the untrained drafter: what "held-out loss fell" is measured against
+        eval_seconds = time.time() - t0
     run.model.train()
     t_start = time.time()
+    fit_at = state["step"] + FIT_AFTER if cfg.fit_schedule and not state.get("fitted") else None
     while state["step"] < total_steps and not state.get("stopped_early"):
         epoch, in_epoch = divmod(state["step"], steps_per_epoch)
         batches = D.plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch)[: steps_per_epoch * per_step]
@@ -458,6 +484,15 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 bar.set_postfix(loss=f"{m.get('loss_pos0', 0):.3f}", acc0=f"{m['acc_pos0']:.3f}",
                                 tok_s=f"{state['tokens'] / max(state['train_seconds'], 1e-9):,.0f}", refresh=False)
                 bar.update(1)
+            if state["step"] == fit_at:
+                fitted = _fitted_steps(cfg, state, time.time() - t_start, FIT_AFTER, eval_seconds, steps_per_epoch)
+                dist_fitted = int(dist.all_sum(torch.tensor([fitted], device=run.device)).item()) // dist.world
+                state["total_steps"], state["fitted"], total_steps = dist_fitted, True, dist_fitted
+                print(f"[train] fit_schedule: {total_steps} of {state['planned_steps']} planned steps fit in "
+                      f"max_minutes={cfg.max_minutes}", flush=True)
+                if bar is not None:
+                    bar.total = total_steps
+                    bar.refresh()
             end_of_epoch = state["step"] % steps_per_epoch == 0
             if (cfg.eval_every and state["step"] % cfg.eval_every == 0) or (not cfg.eval_every and end_of_epoch) \
                     or state["step"] == total_steps:
@@ -508,7 +543,8 @@ def _summary(run: Run, state: dict, lengths: list[int]) -> dict:
          "train_samples_skipped": state["skipped"], "train_ttt_steps": cfg.ttt_steps, "train_loss": cfg.loss,
          "train_lm_head": cfg.lm_head, "train_step_decay": cfg.step_decay, "draft_vocab_size": run.vocab.size,
          "draft_vocab_coverage": run.vocab.coverage(run.freq), "heldout_samples": len(run.heldout_src or []),
-         "best_step": best.get("step", 0), "train_total_steps_planned": state.get("total_steps", 0),
+         "best_step": best.get("step", 0), "train_total_steps_planned": state.get("planned_steps", 0),
+         "train_total_steps_fitted": state.get("total_steps", 0) if state.get("fitted") else 0,
          "train_stopped_early": bool(state.get("stopped_early"))}
     for k, v in best.items():
         if k.startswith("heldout_"):
