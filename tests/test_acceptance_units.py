@@ -495,3 +495,18 @@ def test_experiment_summary_per_backend_and_controls(tmp_path):
     assert m["offline_online_rel_gap"] == pytest.approx(0.1 / 2.4)
     assert not any(k.startswith(("plain-", "main-")) for k in m)
     assert m["online_servers_failed"] == 1 and m["online_required_servers_failed"] == 0
+
+
+def test_outputs_compared_to_plain_by_identity_and_common_prefix():
+    from eagle3kit.acceptance import experiment
+
+    def srv(outs):
+        return {"by_concurrency": {1: {"rounds": [{"_outputs": outs}]}}}
+
+    results = {"servers": {"plain": srv([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]),
+                           "main": srv([[1, 2, 3, 4], [5, 6, 0, 0], None]),
+                           "bad": srv([[0, 2, 3, 4], [5, 6, 7, 8, 1], [9, 9]])}}
+    m = experiment._outputs_match(results)
+    assert m["main"] == {"identical": 0.5, "common_prefix": pytest.approx((1 + 0.5) / 2)}
+    assert m["bad"]["identical"] == pytest.approx(1 / 3)
+    assert m["bad"]["common_prefix"] == pytest.approx((0 + 4 / 5 + 1) / 3)

@@ -130,9 +130,10 @@ def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_
                           fit_schedule=True, **TINY))
     took = time.time() - t0
     assert 20 < s["train_steps"] == s["train_total_steps_fitted"] < s["train_total_steps_planned"], s
-    assert not s["train_stopped_early"]
+    assert not s["train_stopped_early"] and 0 <= s["train_data_wait_fraction"] < 1
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
     assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio, rel=1e-6)
+    assert all(0 <= r["data_wait_s"] <= r["seconds"] for r in rows)
     evals = [json.loads(x) for x in (tmp_path / "f" / "evals.jsonl").read_text().splitlines()]
     assert evals[-1]["step"] == s["train_steps"]
     assert took < 60 * budget * 1.5 + 30, took  # setup and the first evaluation come on top of the budget

@@ -449,9 +449,11 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 break
             t0 = time.perf_counter()
             counts = ChainCounts(cfg.ttt_steps)
-            rows = 0
+            rows, waited = 0, 0.0
             for micro in range(cfg.grad_accum):
+                tw = time.perf_counter()
                 _, batch, skipped = next(it)
+                waited += time.perf_counter() - tw
                 state["skipped"] += len(skipped)
                 for s in skipped[:3]:
                     print(f"[train] skipped {s}", flush=True)
@@ -475,9 +477,10 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
             state["step"] += 1
             state["tokens"] += rows
             state["train_seconds"] += dt
+            state["data_wait_seconds"] = state.get("data_wait_seconds", 0.0) + waited
             m = counts.metrics()
             row = {"step": state["step"], "epoch": epoch, "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm),
-                   "tokens_per_s": rows / dt if dt else 0.0,
+                   "tokens_per_s": rows / dt if dt else 0.0, "seconds": dt, "data_wait_s": waited,
                    **{k: v for k, v in m.items() if k.startswith(("loss_pos", "acc_pos", "cond_acc_pos"))}}
             log("train_log.jsonl", row)
             if bar is not None:
@@ -540,7 +543,9 @@ def _summary(run: Run, state: dict, lengths: list[int]) -> dict:
     s = {"train_samples": len(lengths), "train_tokens": int(sum(lengths)), "train_tokens_seen": state["tokens"],
          "train_steps": state["step"], "train_seconds": state["train_seconds"],
          "train_tokens_per_s": state["tokens"] / state["train_seconds"] if state["train_seconds"] else 0.0,
-         "train_samples_skipped": state["skipped"], "train_ttt_steps": cfg.ttt_steps, "train_loss": cfg.loss,
+         "train_samples_skipped": state["skipped"],
+         "train_data_wait_fraction": state.get("data_wait_seconds", 0.0) / state["train_seconds"]
+         if state["train_seconds"] else 0.0, "train_ttt_steps": cfg.ttt_steps, "train_loss": cfg.loss,
          "train_lm_head": cfg.lm_head, "train_step_decay": cfg.step_decay, "draft_vocab_size": run.vocab.size,
          "draft_vocab_coverage": run.vocab.coverage(run.freq), "heldout_samples": len(run.heldout_src or []),
          "best_step": best.get("step", 0), "train_total_steps_planned": state.get("planned_steps", 0),

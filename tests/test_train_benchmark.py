@@ -1,0 +1,34 @@
+"""benchmarks/train_throughput.py on the CPU with the small captured data set: both passes run in their own
+processes, the table and metrics.json come out; speculators' trainer either gives a figure or a reported error."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.slow
+def test_train_benchmark_runs_on_cpu(small_dataset, tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--data", str(small_dataset), "--out",
+           str(out), "--device", "cpu", "--steps", "3", "--rounds", "1", "--tokens-per-batch", "256", "--workers", "0",
+           "--timeout-s", "600", "--set", "draft_vocab_size=512", "--set", "ttt_steps=2", "--set", "serving_steps=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["train_tokens_per_s_alone"] > 0 and len(m["train_tokens_per_s_rounds"]) == m["rounds"] == 1
+    detail = m["eagle3kit_rounds_detail"][0]
+    assert detail["steps"] == 3 and detail["warmup_steps_left_out"] == 2 and 0 < detail["tokens"] <= 256
+    assert 0 <= detail["data_wait_fraction"] < 1
+    if m["speculators_tokens_per_s"] is None:  # e.g. its trainer's imports (httpx) missing in this environment
+        assert m["speculators_error"] and m["train_vs_speculators_ratio"] is None
+    else:
+        assert m["train_vs_speculators_ratio"] == pytest.approx(
+            m["train_tokens_per_s_alone"] / m["speculators_tokens_per_s"])
+        assert m["speculators_rounds_detail"][0]["steps"] == 3
+    assert "ratio eagle3kit / speculators" in (out / "bench.log").read_text()
