@@ -122,6 +122,23 @@ def pass_a(a, out: Path) -> dict:
     return {**res, "train_py_tokens_per_s": summary["train_tokens_per_s"], "data_wait_fraction": wait}
 
 
+def loader_alone(a) -> dict:
+    """eagle3kit's batch loader without training (same plan, workers, pinning): can it feed the GPU?"""
+    from eagle3kit.drafter import data as D
+
+    cfg = train_config(a, Path(a.out) / "loader")
+    src = D.CaptureSource(cfg.data, "train")
+    info = src.info()
+    batches = D.plan([src.length(i) for i in range(len(src))], cfg.tokens_per_batch, cfg.seed, 0)
+    batches = batches[: max(a.steps * cfg.grad_accum, 8)]
+    t0, rows = time.perf_counter(), 0
+    for _, b, _ in D.loader(src, batches, info.n_states, info.hidden_size, cfg.tokens_per_batch, workers=cfg.workers,
+                            pin=a.device.startswith("cuda")):
+        rows += 0 if b is None else int(b["input_ids"].shape[0])
+    dt = time.perf_counter() - t0
+    return {"tokens_per_s": rows / dt, "tokens": rows, "seconds": dt, "batches": len(batches), "workers": cfg.workers}
+
+
 def pass_b(a, out: Path, data: Path) -> dict:
     """speculators' Trainer on the speculators export of the same train split."""
     import torch
@@ -265,6 +282,9 @@ def main(argv=None) -> int:
     say(f"train throughput: data {a.data}, device {a.device}, {a.steps} steps x {a.rounds} rounds, "
         f"tokens_per_batch {a.tokens_per_batch}, ttt_steps {cfg.ttt_steps}, draft vocab {cfg.draft_vocab_size}, "
         f"workers {a.workers}, first {a.warmup} steps left out")
+    ld = loader_alone(a)
+    say(f"eagle3kit's loader alone: {ld['tokens_per_s']:,.0f} tok/s ({ld['batches']} batches, {ld['workers']} workers, "
+        f"{ld['seconds']:.1f} s, worker start included)")
     spec_data, spec_export = out / "speculators_data", None
     shutil.rmtree(spec_data, ignore_errors=True)
     t = time.time()
@@ -309,7 +329,7 @@ def main(argv=None) -> int:
                "train_tokens_per_s_spread_pct": e3k.get("spread_pct"),
                "speculators_tokens_per_s": spec["median"], "speculators_tokens_per_s_rounds": spec["rounds"],
                "speculators_tokens_per_s_spread_pct": spec.get("spread_pct"),
-               "train_vs_speculators_ratio": ratio, "rounds": a.rounds,
+               "train_vs_speculators_ratio": ratio, "rounds": a.rounds, "loader_tokens_per_s": ld["tokens_per_s"],
                "eagle3kit_rounds_detail": res["eagle3kit"], "speculators_rounds_detail": res["speculators"],
                "settings": {"data": str(a.data), "device": a.device, "steps": a.steps, "warmup_steps": a.warmup,
                             "tokens_per_batch": a.tokens_per_batch, "workers": a.workers,
