@@ -24,7 +24,7 @@ def server(tmp_path_factory, target_path):
 def test_concurrent_chunked_captures_match_reference(server, tokenizer, target_path):
     from eagle3kit.capture.client import CaptureClient
     from eagle3kit.capture.reference import ReferenceEngine
-    from eagle3kit.spec import compare_to_reference, probe_prompts
+    from eagle3kit.spec import calibrate_bounds, compare_to_reference, probe_prompts
 
     prompts = probe_prompts(tokenizer, 16, 32, 400, seed=3)
     client = CaptureClient(server.url, server.capture["capture_dir"])
@@ -32,11 +32,11 @@ def test_concurrent_chunked_captures_match_reference(server, tokenizer, target_p
     assert all(m["status"] == "ok" for m in markers), [m for m in markers if m["status"] != "ok"]
     assert any(m["chunks"] > 1 for m in markers)  # chunked prefill really reassembled
     ref = ReferenceEngine(target_path, [2, 15, 27], final_normed=True, device="cuda")
-    rows = compare_to_reference(server.capture["capture_dir"], prompts, ref)
-    worst = max(r["rel_err"] for r in rows)
-    worst_tok = max(r["token_rel_err"] for r in rows)
-    print(f"worst rel err {worst:.4f}, per token {worst_tok:.4f}")
-    assert worst < 0.1 and worst_tok < 0.1  # bf16 vs fp32 reference: ~5.6 % whole-tensor at the final state
+    bounds = calibrate_bounds(ref, dict(list(prompts.items())[:8]))  # bf16 vs fp32 of the same model, x3
+    rows = compare_to_reference(server.capture["capture_dir"], prompts, ref, bounds)
+    worst_tok = max(r["token_worst_err"] for r in rows)
+    print(f"bounds {bounds}; worst token {worst_tok:.4f}; rows over: {[r for r in rows if not r['ok']]}")
+    assert all(r["ok"] for r in rows)  # every token of every slot within its bf16-calibrated bound
 
 
 def test_health_warmup_and_bad_rid_do_not_disturb(server, tokenizer):

@@ -1,0 +1,75 @@
+"""The capture check (spec.check_sample with bf16-calibrated per-token bounds) on real states of the embedded
+target: a bf16 forward passes against the fp32 reference, and each mistake a capture can make is rejected, with the
+tokens it touched counted. The bounds, not a loose median, decide."""
+import pytest
+import torch
+
+from eagle3kit import spec
+
+
+@pytest.fixture(scope="module")
+def setting(target_path):
+    from transformers import AutoTokenizer
+
+    from eagle3kit.capture.reference import ReferenceEngine
+
+    tok = AutoTokenizer.from_pretrained(target_path)
+    prompts = spec.probe_prompts(tok, 4, 60, 200, seed=3)
+    ref = ReferenceEngine(target_path, [2, 15, 27], final_normed=True)
+    b16 = ReferenceEngine(target_path, [2, 15, 27], final_normed=True, dtype="bfloat16")
+    bounds = spec.calibrate_bounds(ref, dict(list(prompts.items())[:2]))
+    keys = list(prompts)
+    caps = {k: {**{n: t.to(torch.bfloat16) for n, t in b16.hidden(prompts[k]).items() if n != "token_ids"},
+                "token_ids": torch.tensor(prompts[k])} for k in keys}
+    return ref, prompts, bounds, caps
+
+
+def test_bounds_are_calibrated_below_what_a_mistake_costs(setting):
+    _, _, bounds, _ = setting
+    assert set(bounds) == {2, 15, 27, 30, spec.FINAL_NORMED}
+    assert all(0.03 <= b < 0.5 for b in bounds.values()), bounds  # mistakes cost 50-100 % on the tokens they touch
+
+
+def test_a_bf16_capture_passes_every_slot(setting):
+    ref, prompts, bounds, caps = setting
+    for k, ids in prompts.items():  # two of them were not used for the calibration
+        rows = spec.check_sample(caps[k], ids, ref.hidden(ids), ref.layer_ids, bounds)
+        assert len(rows) == 5 and all(r["ok"] for r in rows), rows
+
+
+@pytest.mark.parametrize("mistake", ["token shifted by one", "rows of the next request in the batch",
+                                     "neighbouring layer", "3 tokens corrupted", "final slot post-norm"])
+def test_each_mistake_is_rejected(setting, mistake):
+    ref, prompts, bounds, caps = setting
+    k, other = list(prompts)[2:4]
+    cands = spec.all_reference_states(ref, prompts[k])
+    bad = spec.corruptions(caps[k], caps[other], cands, ref.layer_ids)[mistake]
+    rows = spec.check_sample(bad, prompts[k], ref.hidden(prompts[k]), ref.layer_ids, bounds)
+    failed = [r for r in rows if not r["ok"]]
+    assert failed, f"{mistake} passed the check: {rows}"
+    if mistake == "3 tokens corrupted":
+        assert [r["tokens_over"] for r in failed] == [3]  # exactly the tokens touched, in the slot touched
+        # the median per token, the check before, does not see them
+        assert all(r["token_rel_err"] < bounds[r["layer_id"]] for r in failed)
+
+
+def test_token_ids_that_are_not_the_prompt_fail(setting):
+    ref, prompts, bounds, caps = setting
+    k = next(iter(prompts))
+    cap = {**caps[k], "token_ids": torch.roll(caps[k]["token_ids"], 1)}
+    rows = spec.check_sample(cap, prompts[k], ref.hidden(prompts[k]), ref.layer_ids, bounds)
+    assert rows[0]["problem"].startswith("token ids") and not rows[0]["ok"]
+
+
+def test_chunked_vs_unchunked_checks_token_ids(setting, tmp_path):
+    from eagle3kit.capture.format import capture_metadata, write_sample  # noqa: F401 - the files the engines write
+
+    ref, prompts, _, _ = setting
+    keys = list(prompts)[:2]
+    for d in ("a", "b"):
+        for key in keys:
+            ref.capture(tmp_path / d, key, prompts[key])
+    same = spec.compare_dirs(tmp_path / "a", tmp_path / "b", keys)
+    assert same["ids_differ"] == [] and same["max_token_err"] == 0.0
+    ref.capture(tmp_path / "b", keys[1], prompts[keys[1]][1:] + prompts[keys[1]][:1])  # same length, other ids
+    assert spec.compare_dirs(tmp_path / "a", tmp_path / "b", keys)["ids_differ"] == [keys[1]]
