@@ -38,15 +38,22 @@ def test_bad_input_names_file_and_line(tmp_path):
         load_conversations(str(tmp_path / "nope.jsonl"))
 
 
-def test_truncated_json_list_is_read_up_to_the_cut(tmp_path):
+def test_a_user_file_broken_mid_list_is_refused_unless_the_limit_comes_first(tmp_path):
+    """A JSON list cut mid-file would silently drop the rest: refused, naming the file and the byte. When the
+    samples asked for all come before the cut, nothing is lost and the file is read (the embedded ShareGPT copy,
+    cut by its package, is read up to the cut and the cut reported: next test)."""
+    from eagle3kit.data.conversations import DataError
+
     recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
             for i in range(5)]
     text = json.dumps(recs)
     cut = text.index('"r4"') + 10
     p = tmp_path / "cut.json"
     p.write_text(text[:cut])
-    convs, rep = load_conversations(str(p))
-    assert [c["id"] for c in convs] == ["r0", "r1", "r2", "r3"] and rep.truncated_at_byte is not None
+    with pytest.raises(DataError, match=r"cut.json: the JSON list breaks at byte [\d,]+ after 4 records"):
+        load_conversations(str(p))
+    convs, _ = load_conversations(str(p), limit=3)
+    assert [c["id"] for c in convs] == ["r0", "r1", "r2"]
 
 
 def test_embedded_sharegpt_is_real_and_its_cut_reported():

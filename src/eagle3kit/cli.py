@@ -190,6 +190,11 @@ def main(argv=None) -> int:
     m = sub.add_parser("materialize", help="write the embedded model as a Hugging Face directory; print its path")
     m.add_argument("name", nargs="?", default="smollm2")
 
+    for sp in sub.choices.values():  # --help shows every default (the formatter adds it where there is a help text)
+        sp.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        for act in sp._actions:  # noqa: SLF001 - argparse has no public list of a parser's options
+            if act.help is None and act.option_strings and act.default is not argparse.SUPPRESS:
+                act.help = "(default: %(default)s)"
     a = p.parse_args(argv)
     from eagle3kit.params import ParamsError
     from eagle3kit.runner import StepFailed
@@ -208,7 +213,7 @@ def main(argv=None) -> int:
             return 0
         return {"extract": _extract, "verify": _verify, "export": _export, "doctor": _doctor, "derive": _derive,
                 "train": _train, "compare": _compare}[a.cmd](a)
-    except (ParamsError, StepFailed, ValueError, RuntimeError, FileNotFoundError) as err:
+    except (ParamsError, StepFailed, ValueError, RuntimeError, OSError) as err:  # a user's mistake: no traceback
         print(f"eagle3kit {a.cmd}: {err}", file=sys.stderr)
         return 2 if isinstance(err, (ParamsError, ValueError)) else 1
 

@@ -224,7 +224,7 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
         cache = Path(regenerated_cache) if regenerated_cache else None
         done = {}
         if cache is not None and cache.exists():
-            done = {c["id"]: c for c in map(json.loads, cache.read_text().splitlines()) if c}
+            done = _read_regenerated(cache)
         mine = [c for i, c in enumerate(convs) if i % world_size == rank and c["id"] not in done]
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
@@ -235,3 +235,25 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
                 f.flush()  # a crash keeps every reply generated so far
         convs = [done.get(c["id"], c) if i % world_size == rank else c for i, c in enumerate(convs)]
     return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank), report
+
+
+def _read_regenerated(cache: Path) -> dict:
+    """The replies a previous run regenerated. A torn last line (that run was killed mid-write) is dropped and
+    regenerated again; a bad line elsewhere means the file is not ours and is refused."""
+    import json
+
+    from eagle3kit.data.conversations import DataError
+
+    lines = [ln for ln in cache.read_text().splitlines() if ln.strip()]
+    done = {}
+    for n, line in enumerate(lines, 1):
+        try:
+            c = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):
+                print(f"{cache}: last line torn (a run was killed while writing it); that reply is regenerated")
+                continue
+            raise DataError(f"{cache}:{n}: not a JSON line. Fix: remove the file to regenerate every reply "
+                            f"(the captured samples stay)") from None
+        done[c["id"]] = c
+    return done

@@ -1,10 +1,12 @@
 """The steps the notebooks call, with their defaults: one place that ties target, data, engine and store."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from eagle3kit.capture.reference import ReferenceEngine
+from eagle3kit.data.conversations import DataError
 from eagle3kit.extract import ReferenceBackend, SGLangBackend, extract, load_samples, settings_for
 from eagle3kit.layers import sglang_default_aux
 from eagle3kit.store import verify
@@ -24,6 +26,8 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
     path = resolve_target(target)
     info = TargetInfo.read(path)
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
+    check_extraction_settings(out_dir, aux, info.num_layers, max_samples, max_tokens, heldout_percent, concurrency,
+                              world_size, rank, regenerate_max_new_tokens)
     layer_ids = aux + [info.num_layers]
     from transformers import AutoTokenizer
 
@@ -67,17 +71,49 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                                        regenerate_concurrency=1 if engine == "transformers" else concurrency,
                                        regenerated_cache=Path(out_dir) / "regenerated.jsonl")
         data_seconds = time.time() - t_data
+        if not samples:
+            why = ", ".join(f"{v} {k}" for k, v in report.skipped.items()) or "none skipped"
+            raise DataError(f"--data {data}: nothing to capture ({report.records} records read, {report.kept} usable "
+                            f"conversations [{why}], none rendered within --max-tokens {max_tokens} for shard "
+                            f"{rank}/{world_size}). Fix: give conversations with a user turn and an assistant reply")
         summary = extract(samples, out_dir, backend, settings, progress=progress)
     finally:
         backend.close()  # also when only regeneration used the server
     rep = verify(out_dir)
     summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
-                   data_records=report.records, data_kept=report.kept,
+                   data_records=report.records, data_kept=report.kept, data_skipped=dict(report.skipped),
+                   data_skipped_total=sum(report.skipped.values()),
                    data_truncated_at_byte=report.truncated_at_byte or 0, layer_ids=layer_ids,
                    data_seconds=data_seconds)  # reading, rendering and (with regenerate) the replies
     summary["failures_list"] = summary.pop("failures")
     write_run_metrics(out_dir, summary)
     return summary
+
+
+def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens, heldout_percent, concurrency=1,
+                              world_size=1, rank=0, regenerate_max_new_tokens=1) -> None:
+    """Refuse settings that would make wrong or no data, before anything is loaded or written (so a refused run
+    leaves the folder as it was). Each error names the option and the fix."""
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(msg)
+    need(max_tokens >= 2, f"--max-tokens {max_tokens}: a sample needs at least 2 tokens (give the longest sample to "
+                          f"keep, e.g. 2048)")
+    need(max_samples is None or max_samples >= 1, f"--max-samples {max_samples}: give a positive number (or omit it "
+                                                  f"for every conversation)")
+    need(len(set(aux)) == len(aux) and list(aux) == sorted(aux),
+         f"--layers {' '.join(map(str, aux))}: layer ids must be distinct and increasing (the slots are stored in "
+         f"that order); fix: --layers {' '.join(map(str, sorted(set(aux))))}")
+    need(all(1 <= k < num_layers for k in aux), f"--layers {' '.join(map(str, aux))}: in the input_of_layer "
+                                                f"convention ids run from 1 to {num_layers - 1} for this target")
+    need(0 <= heldout_percent < 100, f"--heldout-percent {heldout_percent}: a share in [0, 100)")
+    need(concurrency >= 1 and regenerate_max_new_tokens >= 1,
+         f"--concurrency {concurrency} / --regenerate-max-new-tokens {regenerate_max_new_tokens}: give positive numbers")
+    need(world_size >= 1 and 0 <= rank < world_size, f"--rank {rank} --world-size {world_size}: rank in [0, world)")
+    out = Path(out_dir)
+    need(not out.exists() or out.is_dir(), f"--out {out} is a file; give a folder (it is created if missing)")
+    probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    need(os.access(probe, os.W_OK), f"--out {out}: {probe} is not writable; choose a folder you can write to")
 
 
 def write_run_metrics(out_dir, summary: dict) -> dict:

@@ -94,8 +94,13 @@ def load_conversations(source: str, limit: int | None = None) -> tuple[list[dict
     path = embedded_path(source.split(":", 1)[1]) if source.startswith("embedded:") else Path(source)
     if not path.exists():
         raise DataError(f"data file {path} does not exist (give a JSONL/JSON file or embedded:sharegpt)")
+    if path.is_dir():
+        raise DataError(f"--data {path} is a folder; give a JSONL or JSON file of conversations (or embedded:sharegpt)")
     report = LoadReport(source=str(source))
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"--data {path}: not UTF-8 text at byte {e.start}; give a JSONL or JSON file") from None
     stripped = text.lstrip()
     if stripped.startswith("["):
         records = _records_stream(text, report)
@@ -108,14 +113,25 @@ def load_conversations(source: str, limit: int | None = None) -> tuple[list[dict
                     except json.JSONDecodeError as e:
                         raise DataError(f"{path}:{ln}: not valid JSON ({e.msg}); one conversation per line") from None
         records = jsonl()
-    out = []
+    out, seen = [], set()
     for i, rec in enumerate(records):
         report.records += 1
+        if not isinstance(rec, dict):
+            raise DataError(f"{path}: record {i} is a {type(rec).__name__}, not a conversation object")
         conv = normalize(rec, i, report)
         if conv is not None:
+            if conv["id"] in seen:  # an id keys a sample (and a regenerated reply): the first one is kept
+                report.skip("duplicate id (the first record with it is kept)")
+                continue
+            seen.add(conv["id"])
             out.append(conv)
             if limit is not None and len(out) >= limit:
                 break
+    if report.truncated_at_byte is not None and not str(source).startswith("embedded:") and \
+            (limit is None or len(out) < limit):
+        raise DataError(f"--data {path}: the JSON list breaks at byte {report.truncated_at_byte:,} after "
+                        f"{report.records} records; the rest would be lost. Fix: repair the file, or write it as "
+                        f"JSONL (one conversation per line)")
     report.kept = len(out)
     return out, report
 

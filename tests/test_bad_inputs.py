@@ -1,0 +1,84 @@
+"""Bad input is never data: each mistake a user can make with `eagle3kit extract` is refused with a message that
+names the input and the fix (exit 2, no traceback, nothing written), or counted and reported; a run that would
+capture nothing fails."""
+import json
+
+import pytest
+
+from eagle3kit import cli
+
+GOOD = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"Hello number {i}, how are you?"},
+                                     {"role": "assistant", "content": "I am fine, thank you."}]} for i in range(4)]
+
+
+def _files(tmp_path):
+    text = json.dumps(GOOD)
+    files = {"good.json": text, "empty.jsonl": "", "broken.json": text[: len(text) // 2 + 7],
+             "noassist.jsonl": "\n".join(json.dumps({"id": f"n{i}", "messages": [{"role": "user", "content": "hi"}]})
+                                         for i in range(3)),
+             "dup.json": json.dumps([GOOD[0], {**GOOD[1], "id": "c0"}, GOOD[2]]),
+             "badline.jsonl": json.dumps(GOOD[0]) + "\n{not json\n",
+             "notobjects.json": "[1, 2, 3]"}
+    for name, t in files.items():
+        (tmp_path / name).write_text(t)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    return tmp_path
+
+
+CASES = [  # (extra args, words the message must hold)
+    (["--data", "empty.jsonl"], ["empty.jsonl", "nothing to capture", "0 records"]),
+    (["--data", "broken.json"], ["broken.json", "breaks at byte", "JSONL"]),
+    (["--data", "noassist.jsonl"], ["noassist.jsonl", "nothing to capture", "3 no user/assistant exchange"]),
+    (["--data", "badline.jsonl"], ["badline.jsonl:2", "not valid JSON"]),
+    (["--data", "notobjects.json"], ["notobjects.json", "record 0 is a int"]),
+    (["--data", "adir"], ["--data", "adir is a folder"]),
+    (["--data", "missing.jsonl"], ["missing.jsonl", "does not exist"]),
+    (["--data", "good.json", "--max-tokens", "0"], ["--max-tokens 0", "at least 2 tokens"]),
+    (["--data", "good.json", "--max-tokens", "-5"], ["--max-tokens -5"]),
+    (["--data", "good.json", "--max-samples", "0"], ["--max-samples 0"]),
+    (["--data", "good.json", "--layers", "15", "2", "27"], ["--layers 15 2 27", "fix: --layers 2 15 27"]),
+    (["--data", "good.json", "--layers", "2", "2", "27"], ["--layers 2 2 27", "distinct"]),
+    (["--data", "good.json", "--layers", "2", "15", "40"], ["--layers 2 15 40", "from 1 to 29"]),
+    (["--data", "good.json", "--heldout-percent", "150"], ["--heldout-percent 150", "[0, 100)"]),
+    (["--data", "good.json", "--heldout-percent", "-1"], ["--heldout-percent -1"]),
+    (["--data", "good.json", "--rank", "2", "--world-size", "2"], ["--rank 2 --world-size 2"]),
+    (["--data", "good.json", "--out", "afile"], ["--out", "afile is a file"]),
+]
+
+
+@pytest.mark.parametrize("args,words", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_refused_with_the_input_and_the_fix_named(args, words, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(_files(tmp_path))
+    argv = ["extract", "--out", "out", "--max-tokens", "128", *args]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and all(w in err for w in words), err
+    assert not (tmp_path / "out").exists()  # a refused run leaves nothing, so it locks no settings
+
+
+def test_duplicate_ids_are_counted_and_the_first_kept(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(_files(tmp_path))
+    assert cli.main(["extract", "--out", "out", "--max-tokens", "128", "--data", "dup.json"]) == 0
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["samples"] == 2 and m["data_skipped_total"] == 1 and m["dataset_samples"] == 2
+    assert "duplicate id" in capsys.readouterr().out
+
+
+def test_a_torn_last_regenerated_line_is_regenerated_and_a_bad_middle_line_refused(tmp_path):
+    from eagle3kit.data.conversations import DataError
+    from eagle3kit.extract import _read_regenerated
+
+    f = tmp_path / "regenerated.jsonl"
+    f.write_text(json.dumps(GOOD[0]) + "\n" + json.dumps(GOOD[1])[:20])
+    assert list(_read_regenerated(f)) == ["c0"]
+    f.write_text(json.dumps(GOOD[0]) + "\n{torn\n" + json.dumps(GOOD[1]) + "\n")
+    with pytest.raises(DataError, match="regenerated.jsonl:2"):
+        _read_regenerated(f)
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["extract", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 2048)" in out and "(default: embedded:smollm2)" in out
