@@ -42,3 +42,12 @@ def test_environment_yml_matches_pyproject():
     assert wanted <= have, f"environment.yml lacks {sorted(wanted - have)}"
     extra = have - wanted - {"jupyterlab"}
     assert not extra, f"environment.yml has {sorted(extra)} that pyproject.toml does not"
+
+
+def test_parameter_lines_parse_in_papermill():
+    """papermill skips a parameter line with a second '=' (in its comment too): such a parameter loses its help
+    and type in `papermill --help-notebook` and a warning clutters every run."""
+    for nb in NOTEBOOKS:
+        cell = next(c for c in json.loads(nb.read_text())["cells"] if "parameters" in c["metadata"].get("tags", []))
+        bad = [ln for ln in "".join(cell["source"]).splitlines() if ln.count("=") > 1]
+        assert not bad, (nb.name, bad)

@@ -70,3 +70,14 @@ def test_two_cpu_ranks_on_the_padded_heads_variant(tmp_path, tokenizer):
     tp_check.run_cpu_tp(resolve_target("embedded:smollm2-tp4"), tmp_path, prompts, [2, 27], n_ranks=2)
     rows = tp_check.compare_ranks(tmp_path, list(prompts), [0, 1])
     assert [r["layer_id"] for r in rows] == [2, 27, 30] and tp_check.verdict(rows, 2).startswith("replicated")
+
+
+def test_one_rank_is_not_run_not_a_fraction_of_one(tmp_path, tokenizer):
+    """One rank compared with itself would be 'bitwise equal' by construction: no rows, verdict 'not run'."""
+    from eagle3kit.target import resolve_target
+
+    prompts = {"q0": tokenizer("One rank alone.").input_ids}
+    tp_check.run_cpu_tp(resolve_target("embedded:smollm2"), tmp_path, prompts, [2, 27], n_ranks=1)
+    assert tp_check.ranks_found(tmp_path, "q0") == [0]
+    assert tp_check.compare_ranks(tmp_path, list(prompts), [0]) == []
+    assert tp_check.verdict([], 1).startswith("not run")

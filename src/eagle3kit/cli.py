@@ -35,7 +35,23 @@ def _verify(a):
     for p in rep.problems[:50]:
         print(f"{p['key']}: {p['problem']}")
     print(f"checked {rep.checked}, ok {rep.ok}, problems {len(rep.problems)}")
-    return 0 if rep.passed else 1
+    ok = rep.passed
+    if a.reference:
+        from eagle3kit import plots
+        from eagle3kit.spot_check import reference_check
+
+        r = reference_check(a.out, a.reference, a.seed, a.reference_device)
+        worst = {}
+        for row in r["rows"]:
+            w = worst.setdefault(row["layer_id"], {"slot": row["layer_id"], "bound": row.get("bound", 0.0),
+                                                   "worst token err": 0.0, "tokens over": 0})
+            w["worst token err"] = max(w["worst token err"], row["token_worst_err"])
+            w["tokens over"] += row["tokens_over"]
+        print(plots.table(list(worst.values())))
+        print(f"reference check: {r['checked']} random samples recomputed by the reference engine, "
+              f"{len(r['failed'])} failed" + (f": {r['failed'][:10]}" if r["failed"] else ""))
+        ok = ok and not r["failed"]
+    return 0 if ok else 1
 
 
 def _export(a):
@@ -153,6 +169,10 @@ def main(argv=None) -> int:
 
     v = sub.add_parser("verify", help="check an extracted data set (checksums, tokens, shapes, finiteness)")
     v.add_argument("out")
+    v.add_argument("--reference", type=int, default=0, metavar="N",
+                   help="also recompute N random samples with the reference engine and check every token")
+    v.add_argument("--seed", type=int, default=0, help="--reference: which samples")
+    v.add_argument("--reference-device", default="cpu", help="--reference: cpu or cuda")
 
     x = sub.add_parser("export", help="a trained drafter for SGLang or speculators/vLLM, or a data set for a trainer")
     x.add_argument("format", choices=["sglang", "speculators", "specforge"])

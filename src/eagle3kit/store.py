@@ -113,6 +113,9 @@ class VerifyReport:
 def verify(out_dir, expected_states: int | None = None, hidden_size: int | None = None) -> VerifyReport:
     """Every manifest entry: file present, checksum, token ids, length, layer count, hidden size, finite values."""
     out_dir = Path(out_dir)
+    if not (out_dir / "manifest.jsonl").exists() and not (out_dir / SETTINGS).exists():
+        raise StoreError(f"{out_dir} is not an eagle3kit data set (no manifest.jsonl, no {SETTINGS}); give the --out "
+                         f"folder of `eagle3kit extract`")
     settings = json.loads((out_dir / SETTINGS).read_text()) if (out_dir / SETTINGS).exists() else {}
     expected_states = expected_states or (len(settings["layer_ids"]) if "layer_ids" in settings else None)
     hidden_size = hidden_size or settings.get("hidden_size")
@@ -132,11 +135,14 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
             continue
         try:
             t = decode(load(blob))
+            layers = _file_metadata(blob).get("layer_ids")
         except Exception as ex:  # noqa: BLE001
             bad(f"unreadable: {type(ex).__name__}: {ex}")
             continue
         hs, ids = t["hidden_states"], t["token_ids"]
-        if hs.shape[0] != e["n_tokens"] or ids.shape[0] != e["n_tokens"]:
+        if "layer_ids" in settings and layers is not None and json.loads(layers) != settings["layer_ids"]:
+            bad(f"captured at layers {json.loads(layers)}, the data set's settings say {settings['layer_ids']}")
+        elif hs.shape[0] != e["n_tokens"] or ids.shape[0] != e["n_tokens"]:
             bad(f"{hs.shape[0]} hidden-state rows / {ids.shape[0]} token ids, manifest says {e['n_tokens']}")
         elif token_sha256(ids) != e["token_sha256"]:
             bad("token ids differ from the ones sent")
@@ -149,6 +155,12 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
         else:
             rep.ok += 1
     return rep
+
+
+def _file_metadata(blob: bytes) -> dict:
+    """The ``__metadata__`` of a safetensors file's header (strings)."""
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + n]).get("__metadata__", {})
 
 
 def derive(src, dest, storage: str | None = None, final_slot: str | None = None, keep_final_normed: bool = False) -> dict:

@@ -29,12 +29,15 @@ def ordered_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def compare_ranks(capture_dir, keys, ranks) -> list[dict]:
-    """Per layer slot: fraction of elements bitwise equal to rank 0 on every rank, max |diff|, max ULP distance."""
+    """Per layer slot: fraction of elements bitwise equal to rank 0 on every rank, max |diff|, max ULP distance.
+    One rank: nothing to compare, no rows (a rank compared with itself would report a meaningless 1.0)."""
     capture_dir = Path(capture_dir)
     rows = {}
+    if len(ranks) < 2:
+        return []
     for key in keys:
         raw0, meta = _raw(capture_dir / f"{key}.rank{ranks[0]}.safetensors")
-        for r in ranks[1:] or ranks[:1]:  # one rank: compared with itself, so the table still has every layer
+        for r in ranks[1:]:
             raw, _ = _raw(capture_dir / f"{key}.rank{r}.safetensors")
             if raw.shape != raw0.shape:
                 raise ValueError(f"{key}: rank {r} holds {tuple(raw.shape)}, rank {ranks[0]} {tuple(raw0.shape)} "
@@ -68,7 +71,7 @@ def _raw(path: Path) -> tuple[torch.Tensor, dict]:
 
 def verdict(rows: list[dict], n_ranks: int) -> str:
     if n_ranks < 2:
-        return "single rank: nothing to compare (run with TP > 1 to check replication)"
+        return "not run: one rank, nothing to compare (run with TP > 1 to check replication)"
     if all(r["bitwise_equal_fraction"] == 1.0 for r in rows):
         return "replicated: every rank holds bitwise-identical hidden states; dumping one rank is exact"
     worst = max(r["max_ulp"] for r in rows)

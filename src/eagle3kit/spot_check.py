@@ -1,0 +1,43 @@
+"""``eagle3kit verify --reference N``: N samples of a data set, drawn at random, recomputed by the reference engine
+(transformers) from their own token ids and checked per token (``spec.check_sample``, bounds calibrated on bf16).
+
+Checksums prove the files are what was written; this proves what was written is the target's states at the data
+set's layers: a capture at the wrong layers, a shifted token, another request's rows or a post-norm final slot
+fails here even though every checksum matches (tests/test_spot_check.py)."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from eagle3kit import spec
+from eagle3kit.store import SETTINGS, StoreError, load_entry, read_manifest
+
+
+def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibration: int = 2) -> dict:
+    """Check ``n`` random samples; returns {"checked", "failed", "rows": per (sample, slot), "bounds"}."""
+    from eagle3kit.capture.reference import ReferenceEngine
+    from eagle3kit.target import resolve_target
+
+    out_dir = Path(out_dir)
+    if n < 1:
+        raise StoreError(f"--reference {n}: give the number of samples to recompute (at least 1)")
+    settings = json.loads((out_dir / SETTINGS).read_text())
+    if settings.get("final_slot", "pre_norm") != "pre_norm":
+        raise StoreError(f"{out_dir}: final slot {settings['final_slot']} (a derived experiment): the reference "
+                         f"check compares captures, not derived data sets")
+    entries = sorted(read_manifest(out_dir).values(), key=lambda e: e["index"])
+    if not entries:
+        raise StoreError(f"{out_dir}: no samples to check")
+    picked = random.Random(seed).sample(entries, min(n, len(entries)))
+    ref = ReferenceEngine(resolve_target(settings["target"]), settings["layer_ids"][:-1],
+                          final_normed=bool(settings.get("final_normed")), device=device)
+    samples = {e["key"]: load_entry(out_dir, e) for e in picked}
+    ids = {k: s["token_ids"].tolist() for k, s in samples.items()}
+    bounds = spec.calibrate_bounds(ref, dict(list(ids.items())[:calibration]))
+    rows = []
+    for k, s in samples.items():
+        for r in spec.check_sample(s, ids[k], ref.hidden(ids[k]), ref.layer_ids, bounds):
+            rows.append({"key": k, **r})
+    failed = sorted({r["key"] for r in rows if not r["ok"]})
+    return {"checked": len(samples), "failed": failed, "rows": rows, "bounds": bounds}

@@ -1,0 +1,70 @@
+"""`eagle3kit verify --reference N` on real captured data: N random samples recomputed by the reference engine and
+checked per token. It passes a good data set and fails one whose states are wrong while every checksum matches;
+plain `verify` catches files captured at other layers than the data set's settings, and refuses a folder that is
+not a data set."""
+import json
+import shutil
+
+import pytest
+
+from eagle3kit import cli
+
+
+def _rewrite(src, dest, change):
+    """A copy of data set ``src`` whose samples went through ``change(tensors, entry)`` and whose manifest carries
+    the new files' checksums: wrong states that no checksum can catch."""
+    from eagle3kit.capture.format import read_sample, write_sample
+    from eagle3kit.store import MANIFEST, read_manifest
+
+    shutil.copytree(src, dest)
+    lines = []
+    for e in sorted(read_manifest(dest).values(), key=lambda e: e["index"]):
+        tensors, meta = read_sample(dest / "samples" / e["file"])
+        change(tensors, e)
+        m = write_sample(dest / "samples", e["key"], 0, tensors, meta, e.get("storage", "bf16"))
+        lines.append(json.dumps({**e, "file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"]}))
+    (dest / MANIFEST).write_text("\n".join(lines) + "\n")
+    return dest
+
+
+def test_a_good_data_set_passes(small_dataset, capsys):
+    assert cli.main(["verify", str(small_dataset), "--reference", "3"]) == 0
+    assert "3 random samples recomputed by the reference engine, 0 failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake", ["neighbouring layer", "token shifted by one"])
+def test_wrong_states_with_good_checksums_fail(small_dataset, tmp_path, target_path, capsys, mistake):
+    import torch
+
+    from eagle3kit.capture.reference import ReferenceEngine
+    from eagle3kit.spec import all_reference_states
+
+    ref = ReferenceEngine(target_path, [2, 15, 27])
+
+    def change(t, e):
+        hs = t["hidden_states"].clone()
+        if mistake == "neighbouring layer":  # slot 0 holds input_of_layer 3, not 2
+            hs[:, 0] = all_reference_states(ref, t["token_ids"].tolist())["input_of_layer 3"].to(hs.dtype)
+        else:
+            hs = torch.cat([hs[1:], hs[-1:]])
+        t["hidden_states"] = hs
+
+    bad = _rewrite(small_dataset, tmp_path / "bad", change)
+    assert cli.main(["verify", str(bad)]) == 0  # every checksum, shape and token id is fine
+    capsys.readouterr()
+    assert cli.main(["verify", str(bad), "--reference", "2"]) == 1
+    assert "2 failed" in capsys.readouterr().out
+
+
+def test_files_of_other_layers_than_the_settings_fail_plain_verify(small_dataset, tmp_path, capsys):
+    bad = tmp_path / "relabelled"
+    shutil.copytree(small_dataset, bad)
+    s = json.loads((bad / "extraction.json").read_text())
+    (bad / "extraction.json").write_text(json.dumps({**s, "layer_ids": [3, 16, 28, 30]}))
+    assert cli.main(["verify", str(bad)]) == 1
+    assert "captured at layers [2, 15, 27, 30], the data set's settings say [3, 16, 28, 30]" in capsys.readouterr().out
+
+
+def test_a_folder_that_is_not_a_data_set_is_refused(tmp_path, capsys):
+    assert cli.main(["verify", str(tmp_path)]) == 2
+    assert "is not an eagle3kit data set" in capsys.readouterr().err
