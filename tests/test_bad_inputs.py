@@ -82,3 +82,18 @@ def test_help_shows_defaults(capsys):
         cli.main(["extract", "--help"])
     out = capsys.readouterr().out
     assert "(default: 2048)" in out and "(default: embedded:smollm2)" in out
+
+
+def test_a_resume_with_another_split_is_refused(tmp_path, monkeypatch, capsys):
+    """The split is part of the data set: a resume with another --seed or --heldout-percent would put new samples
+    in other splits than the old ones' rule. Refused, nothing changed; the same settings resume."""
+    monkeypatch.chdir(_files(tmp_path))
+    base = ["extract", "--out", "out", "--max-tokens", "128", "--data", "good.json", "--max-samples", "2"]
+    assert cli.main(base) == 0
+    before = (tmp_path / "out" / "manifest.jsonl").read_text()
+    for extra in (["--seed", "1"], ["--heldout-percent", "10"]):
+        assert cli.main([*base, "--max-samples", "4", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "other settings" in err and "'split'" in err and "Traceback" not in err, err
+        assert (tmp_path / "out" / "manifest.jsonl").read_text() == before
+    assert cli.main([*base, "--max-samples", "4"]) == 0

@@ -124,6 +124,45 @@ def test_exporters_speculators_and_specforge(tmp_path, extracted, samples):
         to_specforge(out, tmp_path / "sf", split="all")
 
 
+def test_exporters_check_values_and_leave_out_a_corrupt_sample(tmp_path, extracted, samples):
+    """By value: SpecForge's aux slots in layer order and its post-norm state, speculators' states aligned with
+    their row's ids. A sample whose file was bit-flipped after the extraction is left out and reported, never
+    hard-linked into the export."""
+    import shutil
+
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    from eagle3kit.export import to_specforge, to_speculators
+    from eagle3kit.store import load_entry
+
+    out, _ = extracted
+    bad = tmp_path / "copy"
+    shutil.copytree(out, bad)
+    entries = sorted(read_manifest(bad).values(), key=lambda e: e["index"])
+    f = bad / "samples" / entries[1]["file"]
+    blob = bytearray(f.read_bytes())
+    blob[-3] ^= 0x01  # one bit of the last hidden-state element
+    f.unlink()  # a new inode: the original data set keeps its file
+    f.write_bytes(bytes(blob))
+    r = to_speculators(bad, tmp_path / "spec", split="all")
+    assert r["rows"] == len(entries) - 1 and r["skipped"] == 1 and "checksum" in r["skipped_reasons"][0]
+    ds = load_from_disk(str(tmp_path / "spec"))
+    for row, e in enumerate(x for i, x in enumerate(entries) if i != 1):
+        hs = load_file(str(tmp_path / "spec" / "hidden_states" / f"hs_{row}.safetensors"))
+        want = load_entry(out, e)
+        assert torch.equal(hs["token_ids"], ds[row]["input_ids"]) and torch.equal(hs["token_ids"], want["token_ids"])
+        assert torch.equal(hs["hidden_states"], want["hidden_states"])
+    sf = to_specforge(bad, tmp_path / "sf", split="all")
+    assert sf["rows"] == len(entries) - 1 and sf["skipped"] == 1
+    want = load_entry(out, entries[0])
+    d = torch.load(tmp_path / "sf" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
+    hs = want["hidden_states"]
+    assert torch.equal(d["aux_hidden_state"][0], torch.cat([hs[:, j] for j in range(hs.shape[1] - 1)], dim=-1))
+    assert torch.equal(d["hidden_state"][0], want["final_normed"])  # post-norm, as SpecForge trains on it
+    assert not torch.equal(d["hidden_state"][0], hs[:, -1])
+
+
 def test_resume_after_a_real_kill(tmp_path, target_path):
     """SIGKILL an extraction mid-run; the rerun completes it with every sample exactly once and verified."""
     out = tmp_path / "killed"

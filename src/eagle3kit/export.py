@@ -6,6 +6,8 @@ speculators 0.9.0 (``--data-path DEST``; read through its ArrowDataset / hs_conn
                                                       token_ids [T] int64 (row = dataset row)
   DEST/token_freq.pt                                  {token id: count} over loss-masked positions
   bf16 samples are hard-linked (no copy); fp8 samples are decoded to bf16.
+Both exporters check every sample against the manifest (file checksum, token ids) first: a sample that fails is left
+out and reported (``skipped``), never handed to a trainer that cannot check it; an export of nothing fails.
 SpecForge (offline EAGLE-3 data):
   DEST/rows_0-2000/data_{i}.ckpt   torch.save dict: input_ids [T], loss_mask [T], aux_hidden_state [1, T, n_aux*H],
                                     hidden_state [1, T, H] AFTER the final norm (needs a capture with final_normed)
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3kit.store import StoreError, load_entry, read_manifest
+from eagle3kit.store import StoreError, load_checked, read_manifest
 
 
 def _entries(out_dir, split):
@@ -28,6 +30,32 @@ def _entries(out_dir, split):
     if not entries:
         raise StoreError(f"{out_dir}: no samples of split {split!r} in the manifest (run the extraction first)")
     return entries
+
+
+def _checked(out_dir, split):
+    """(row, entry, sample) of every sample that passes ``load_checked``; the failures in ``skipped``."""
+    skipped = []
+
+    def rows():
+        row = 0
+        for e in _entries(out_dir, split):
+            try:
+                s = load_checked(out_dir, e)
+            except StoreError as err:
+                skipped.append(str(err))
+                continue
+            yield row, e, s
+            row += 1
+    return rows(), skipped
+
+
+def _done(out: dict, skipped: list, out_dir) -> dict:
+    if not out["rows"]:
+        raise StoreError(f"{out_dir}: every sample failed its check ({skipped[:3]}...); nothing exported. Fix: "
+                         f"`eagle3kit verify {out_dir}`, then rerun the extraction to capture them again")
+    for why in skipped[:10]:
+        print(f"left out: {why}")
+    return {**out, "skipped": len(skipped), "skipped_reasons": skipped[:100]}
 
 
 def _fresh(dest: Path) -> Path:
@@ -47,8 +75,8 @@ def to_speculators(out_dir, dest, split: str = "train") -> dict:
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
     freq: Counter = Counter()
     linked = 0
-    for row, e in enumerate(_entries(out_dir, split)):
-        sample = load_entry(out_dir, e)
+    checked, skipped = _checked(out_dir, split)
+    for row, e, sample in checked:
         src = out_dir / "samples" / e["file"]
         target = hs_dir / f"hs_{row}.safetensors"
         if e.get("storage") == "bf16":
@@ -69,14 +97,15 @@ def to_speculators(out_dir, dest, split: str = "train") -> dict:
     ds.set_format("torch")
     ds.save_to_disk(str(dest))
     torch.save(dict(freq), dest / "token_freq.pt")
-    return {"format": "speculators", "rows": len(rows["seq_len"]), "hard_linked": linked, "dest": str(dest)}
+    return _done({"format": "speculators", "rows": len(rows["seq_len"]), "hard_linked": linked, "dest": str(dest)},
+                 skipped, out_dir)
 
 
 def to_specforge(out_dir, dest, split: str = "train") -> dict:
     out_dir, dest = Path(out_dir), _fresh(dest)
     n = 0
-    for i, e in enumerate(_entries(out_dir, split)):
-        s = load_entry(out_dir, e)
+    checked, skipped = _checked(out_dir, split)
+    for i, e, s in checked:
         if "final_normed" not in s:
             raise StoreError(f"{e['file']} has no final_normed state: SpecForge trains on the state after the final "
                              f"norm. Fix: extract with --final-normed (final_normed=True)")
@@ -87,4 +116,4 @@ def to_specforge(out_dir, dest, split: str = "train") -> dict:
                     "aux_hidden_state": hs[:, :-1].reshape(1, hs.shape[0], -1).contiguous(),
                     "hidden_state": s["final_normed"].unsqueeze(0).contiguous()}, group / f"data_{i}.ckpt")
         n += 1
-    return {"format": "specforge", "rows": n, "dest": str(dest)}
+    return _done({"format": "specforge", "rows": n, "dest": str(dest)}, skipped, out_dir)

@@ -13,6 +13,9 @@ from eagle3kit.store import verify
 from eagle3kit.target import TargetInfo, resolve_target
 
 
+SPLIT_RULE = "heldout if sha256(f'{seed}:{conv_id}')[:8] % 10000 < heldout_percent * 100"  # data.conversations.split_of
+
+
 def default_aux(num_layers: int) -> list[int]:
     """EAGLE-3's usual aux layers in the input_of_layer convention (what SGLang feeds with no ids configured)."""
     return sglang_default_aux(num_layers)
@@ -33,6 +36,7 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
 
     tok = AutoTokenizer.from_pretrained(path)
     settings = settings_for(path, info, layer_ids, storage, data, max_tokens, final_normed)
+    settings["split"] = {"seed": seed, "heldout_percent": heldout_percent, "rule": SPLIT_RULE}
     if regenerate:
         settings["regenerated_max_new_tokens"] = regenerate_max_new_tokens
     if engine == "transformers":

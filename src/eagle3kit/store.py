@@ -63,12 +63,16 @@ class ManifestWriter:
         self._f.close()
 
 
+LATER_KEYS = {"split"}  # settings that data sets made before they existed do not record (a resume accepts those)
+
+
 def check_settings(out_dir: Path, settings: dict) -> None:
     """Write extraction.json on the first run; on a resume, refuse other settings (they would mix data sets)."""
     path = Path(out_dir) / SETTINGS
     if path.exists():
         old = json.loads(path.read_text())
-        diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        diff = {k: (old.get(k), v) for k, v in settings.items()
+                if old.get(k) != v and (k in old or k not in LATER_KEYS)}
         if diff:
             raise StoreError(f"{out_dir} was made with other settings {diff} (old, new). Fix: resume with the same "
                              f"settings, or choose a new output directory; nothing in {out_dir} was changed")
@@ -82,6 +86,20 @@ def load_entry(out_dir: Path, entry: dict) -> dict:
     tensors, _ = read_sample(Path(out_dir) / "samples" / entry["file"])
     tensors["loss_mask"] = torch.tensor(spans_to_mask(entry["loss_spans"], entry["n_tokens"]), dtype=torch.int64)
     return tensors
+
+
+def load_checked(out_dir: Path, entry: dict) -> dict:
+    """``load_entry`` of a sample whose file checksum and token ids match the manifest (StoreError otherwise):
+    what exporters hand to another trainer, which has no way to check."""
+    path = Path(out_dir) / "samples" / entry["file"]
+    if not path.exists():
+        raise StoreError(f"{entry['file']}: missing")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
+        raise StoreError(f"{entry['file']}: checksum differs from the manifest (changed or corrupt on disk)")
+    s = load_entry(out_dir, entry)
+    if token_sha256(s["token_ids"]) != entry["token_sha256"]:
+        raise StoreError(f"{entry['file']}: token ids differ from the manifest's")
+    return s
 
 
 class HiddenStatesDataset(torch.utils.data.Dataset):
