@@ -96,3 +96,30 @@ def test_record_rejects_non_flat_values(tmp_path, monkeypatch):
         eagle3kit.record(table=[1, 2])
     with pytest.raises(ValueError, match="finite"):
         eagle3kit.record(x=float("nan"))
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_an_interrupted_run_says_so_in_status_json(project, sig):
+    """A run stopped mid-step (SIGTERM from a scheduler, Ctrl-C) marks that step interrupted and the later ones not
+    run, and exits 130 with one line."""
+    import signal
+    import time
+
+    notebook(project / "notebooks" / "c_slow.ipynb", "seconds = 120", "import time\ntime.sleep(seconds)")
+    p = write_params(project, "experiment: s\nsteps: [c_slow, a_square]\n")
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3kit.cli", "run", str(p), "--run-dir", str(project / "o")],
+                            cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    status_file = project / "o" / "status.json"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if status_file.exists() and json.loads(status_file.read_text())["c_slow"]["state"] == "running":
+            break
+        time.sleep(0.2)
+    time.sleep(3)  # the kernel is executing the sleeping cell
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=120)
+    status = json.loads(status_file.read_text())
+    assert status["c_slow"]["state"] == "interrupted", status
+    assert status["a_square"]["state"].startswith("not run"), status
+    assert proc.returncode == 130 and "eagle3kit run: interrupted" in err, err[-2000:]
+    assert "eagle3kit/cli.py" not in err  # no traceback of ours (the kernel logs its own KeyboardInterrupt)

@@ -236,6 +236,10 @@ def main(argv=None) -> int:
     except (ParamsError, StepFailed, ValueError, RuntimeError, OSError) as err:  # a user's mistake: no traceback
         print(f"eagle3kit {a.cmd}: {err}", file=sys.stderr)
         return 2 if isinstance(err, (ParamsError, ValueError)) else 1
+    except KeyboardInterrupt:
+        print(f"eagle3kit {a.cmd}: interrupted" + (" (the run folder's status.json says where)" if a.cmd == "run"
+                                                   else ""), file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

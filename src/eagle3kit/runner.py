@@ -2,7 +2,8 @@
 
 outputs/<experiment>/<timestamp>/
   params.yaml            the resolved parameters of every step
-  status.json            per step: pending / running / ok / failed (with the failing cell)
+  status.json            per step: pending / running (with the pid) / ok / failed (with the failing cell) /
+                         interrupted (Ctrl-C or SIGTERM; later steps "not run (interrupted before)")
   metrics.json           all steps' metrics merged (flat)
   <step>/<step>.ipynb    the executed notebook (papermill's error banner included when a cell failed)
   <step>/metrics.json    what that notebook recorded through eagle3kit.record
@@ -13,8 +14,10 @@ import ast
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from datetime import datetime
@@ -104,9 +107,27 @@ def execute(plan: Plan, notebooks_dir: Path, run_dir: Path | None = None, cwd: P
         {"experiment": plan.experiment, "steps": plan.steps, "notebooks": plan.per_step}, sort_keys=False))
     status = {s: {"state": "pending"} for s in plan.steps}
     _write_json(run_dir / "status.json", status)
-    with private_kernel():
-        _run_steps(plan, notebooks_dir, run_dir, cwd, status)
+    previous = _raise_on_sigterm()
+    try:
+        with private_kernel():
+            _run_steps(plan, notebooks_dir, run_dir, cwd, status)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return run_dir
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM during a run: unwinds like Ctrl-C, so status.json says which step was interrupted."""
+
+
+def _raise_on_sigterm():
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise Interrupted(f"signal {signum}")
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _run_steps(plan: Plan, notebooks_dir: Path, run_dir: Path, cwd: Path | None, status: dict) -> None:
@@ -119,7 +140,7 @@ def _run_steps(plan: Plan, notebooks_dir: Path, run_dir: Path, cwd: Path | None,
         step_dir.mkdir(exist_ok=True)
         out_nb = step_dir / f"{step}.ipynb"
         print(f"[{i}/{len(plan.steps)}] {step}: {plan.per_step[step] or 'notebook defaults'}", flush=True)
-        status[step] = {"state": "running", "started": time.time()}
+        status[step] = {"state": "running", "started": time.time(), "pid": os.getpid()}  # a SIGKILL leaves this
         _write_json(run_dir / "status.json", status)
         os.environ[STEP_DIR_ENV] = str(step_dir)
         t0 = time.time()
@@ -133,6 +154,13 @@ def _run_steps(plan: Plan, notebooks_dir: Path, run_dir: Path, cwd: Path | None,
             _write_json(run_dir / "status.json", status)
             raise StepFailed(f"step {step} failed in cell {e.exec_count} (index {e.cell_index}): {e.ename}: "
                              f"{e.evalue}\n  executed notebook with the error: {out_nb}") from None
+        except KeyboardInterrupt as e:  # Ctrl-C, and SIGTERM (Interrupted)
+            status[step] = {"state": "interrupted", "by": f"{type(e).__name__} {e}".strip(),
+                            "seconds": round(time.time() - t0, 1)}
+            for later in plan.steps[i:]:
+                status[later] = {"state": "not run (interrupted before)"}
+            _write_json(run_dir / "status.json", status)
+            raise
         finally:
             os.environ.pop(STEP_DIR_ENV, None)
         metrics_file = step_dir / "metrics.json"
