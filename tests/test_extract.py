@@ -56,17 +56,24 @@ def test_rerun_skips_done_and_other_settings_are_refused(extracted, samples, ref
     assert sorted(p.name for p in (out / "samples").iterdir()) == before
 
 
-def test_verify_catches_corruption_and_missing_files(tmp_path, extracted):
+def _copy_with_a_flipped_byte(src, dest, index, offset, mask):
+    """A copy of data set ``src`` whose sample ``index`` has byte ``offset`` xor ``mask`` (a new file: ``src``
+    keeps its own). Returns (dest, manifest entries in index order)."""
     import shutil
 
+    shutil.copytree(src, dest)
+    entries = sorted(read_manifest(dest).values(), key=lambda e: e["index"])
+    f = dest / "samples" / entries[index]["file"]
+    blob = bytearray(f.read_bytes())
+    blob[offset] ^= mask
+    f.unlink()
+    f.write_bytes(bytes(blob))
+    return dest, entries
+
+
+def test_verify_catches_corruption_and_missing_files(tmp_path, extracted):
     src, _ = extracted
-    out = tmp_path / "copy"
-    shutil.copytree(src, out)
-    entries = sorted(read_manifest(out).values(), key=lambda e: e["index"])
-    f0 = out / "samples" / entries[0]["file"]
-    blob = bytearray(f0.read_bytes())
-    blob[-10] ^= 0xFF
-    f0.write_bytes(bytes(blob))
+    out, entries = _copy_with_a_flipped_byte(src, tmp_path / "copy", 0, -10, 0xFF)
     (out / "samples" / entries[1]["file"]).unlink()
     rep = verify(out)
     problems = {p["key"]: p["problem"] for p in rep.problems}
@@ -128,8 +135,6 @@ def test_exporters_check_values_and_leave_out_a_corrupt_sample(tmp_path, extract
     """By value: SpecForge's aux slots in layer order and its post-norm state, speculators' states aligned with
     their row's ids. A sample whose file was bit-flipped after the extraction is left out and reported, never
     hard-linked into the export."""
-    import shutil
-
     from datasets import load_from_disk
     from safetensors.torch import load_file
 
@@ -137,14 +142,7 @@ def test_exporters_check_values_and_leave_out_a_corrupt_sample(tmp_path, extract
     from eagle3kit.store import load_entry
 
     out, _ = extracted
-    bad = tmp_path / "copy"
-    shutil.copytree(out, bad)
-    entries = sorted(read_manifest(bad).values(), key=lambda e: e["index"])
-    f = bad / "samples" / entries[1]["file"]
-    blob = bytearray(f.read_bytes())
-    blob[-3] ^= 0x01  # one bit of the last hidden-state element
-    f.unlink()  # a new inode: the original data set keeps its file
-    f.write_bytes(bytes(blob))
+    bad, entries = _copy_with_a_flipped_byte(out, tmp_path / "copy", 1, -3, 0x01)  # one bit of the last element
     r = to_speculators(bad, tmp_path / "spec", split="all")
     assert r["rows"] == len(entries) - 1 and r["skipped"] == 1 and "checksum" in r["skipped_reasons"][0]
     ds = load_from_disk(str(tmp_path / "spec"))
