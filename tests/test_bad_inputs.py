@@ -97,3 +97,19 @@ def test_a_resume_with_another_split_is_refused(tmp_path, monkeypatch, capsys):
         assert "other settings" in err and "'split'" in err and "Traceback" not in err, err
         assert (tmp_path / "out" / "manifest.jsonl").read_text() == before
     assert cli.main([*base, "--max-samples", "4"]) == 0
+
+
+def test_two_extractions_into_one_folder_exclude_each_other(tmp_path, monkeypatch, capsys):
+    """While an extraction holds a folder, a second one into it is refused at once, naming the holder; once it
+    is done, the folder is free (and carries no lock file)."""
+    from eagle3kit.pipeline import exclusive
+
+    monkeypatch.chdir(_files(tmp_path))
+    argv = ["extract", "--out", "out", "--max-tokens", "128", "--data", "good.json", "--max-samples", "2"]
+    with exclusive(tmp_path / "out"):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "another extraction is writing there (pid" in err and "Traceback" not in err, err
+        assert not (tmp_path / "out" / "manifest.jsonl").exists()
+    assert cli.main(argv) == 0
+    assert (tmp_path / "out" / "manifest.jsonl").exists() and not (tmp_path / "out" / ".lock").exists()

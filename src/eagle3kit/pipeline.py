@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from eagle3kit.capture.reference import ReferenceEngine
@@ -68,30 +70,66 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                 backend.prepare()
                 return backend.urls
             generator = SGLangGenerator(serving, tok, max_context=max_tokens)
-    t_data = time.time()
-    try:
-        samples, report = load_samples(data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank,
-                                       regenerate_with=generator, regenerate_max_new_tokens=regenerate_max_new_tokens,
-                                       regenerate_concurrency=1 if engine == "transformers" else concurrency,
-                                       regenerated_cache=Path(out_dir) / "regenerated.jsonl")
-        data_seconds = time.time() - t_data
-        if not samples:
-            why = ", ".join(f"{v} {k}" for k, v in report.skipped.items()) or "none skipped"
-            raise DataError(f"--data {data}: nothing to capture ({report.records} records read, {report.kept} usable "
-                            f"conversations [{why}], none rendered within --max-tokens {max_tokens} for shard "
-                            f"{rank}/{world_size}). Fix: give conversations with a user turn and an assistant reply")
-        summary = extract(samples, out_dir, backend, settings, progress=progress)
-    finally:
-        backend.close()  # also when only regeneration used the server
-    rep = verify(out_dir)
-    summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
-                   data_records=report.records, data_kept=report.kept, data_skipped=dict(report.skipped),
-                   data_skipped_total=sum(report.skipped.values()),
-                   data_truncated_at_byte=report.truncated_at_byte or 0, layer_ids=layer_ids,
-                   data_seconds=data_seconds)  # reading, rendering and (with regenerate) the replies
-    summary["failures_list"] = summary.pop("failures")
-    write_run_metrics(out_dir, summary)
+    with exclusive(out_dir):  # one extraction per folder at a time
+        t_data = time.time()
+        try:
+            samples, report = load_samples(
+                data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank, regenerate_with=generator,
+                regenerate_max_new_tokens=regenerate_max_new_tokens,
+                regenerate_concurrency=1 if engine == "transformers" else concurrency,
+                regenerated_cache=Path(out_dir) / "regenerated.jsonl")
+            data_seconds = time.time() - t_data
+            if not samples:
+                why = ", ".join(f"{v} {k}" for k, v in report.skipped.items()) or "none skipped"
+                raise DataError(f"--data {data}: nothing to capture ({report.records} records read, {report.kept} "
+                                f"usable conversations [{why}], none rendered within --max-tokens {max_tokens} for "
+                                f"shard {rank}/{world_size}). Fix: give conversations with a user turn and an "
+                                f"assistant reply")
+            summary = extract(samples, out_dir, backend, settings, progress=progress)
+        finally:
+            backend.close()  # also when only regeneration used the server
+        rep = verify(out_dir)
+        summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
+                       data_records=report.records, data_kept=report.kept, data_skipped=dict(report.skipped),
+                       data_skipped_total=sum(report.skipped.values()),
+                       data_truncated_at_byte=report.truncated_at_byte or 0, layer_ids=layer_ids,
+                       data_seconds=data_seconds)  # reading, rendering and (with regenerate) the replies
+        summary["failures_list"] = summary.pop("failures")
+        write_run_metrics(out_dir, summary)
     return summary
+
+
+@contextmanager
+def exclusive(out_dir):
+    """Hold ``<out>/.lock`` (flock) while an extraction writes there: a second extraction into the same folder is
+    refused at once, naming the holder. A folder this call created and left empty (a run refused after its
+    checks, e.g. nothing to capture) is removed again, so it locks no settings."""
+    import fcntl
+
+    out = Path(out_dir)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / ".lock"
+    f = open(lock, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise ValueError(f"--out {out}: another extraction is writing there ({holder}); wait for it to finish, or "
+                         f"choose another --out (shards of one data set each get their own folder)") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        f.close()  # closing releases the flock
+        if created and not any(out.iterdir()):
+            out.rmdir()
 
 
 def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens, heldout_percent, concurrency=1,
@@ -112,7 +150,8 @@ def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens,
                                                 f"convention ids run from 1 to {num_layers - 1} for this target")
     need(0 <= heldout_percent < 100, f"--heldout-percent {heldout_percent}: a share in [0, 100)")
     need(concurrency >= 1 and regenerate_max_new_tokens >= 1,
-         f"--concurrency {concurrency} / --regenerate-max-new-tokens {regenerate_max_new_tokens}: give positive numbers")
+         f"--concurrency {concurrency} / --regenerate-max-new-tokens {regenerate_max_new_tokens}: give positive "
+         f"numbers")
     need(world_size >= 1 and 0 <= rank < world_size, f"--rank {rank} --world-size {world_size}: rank in [0, world)")
     out = Path(out_dir)
     need(not out.exists() or out.is_dir(), f"--out {out} is a file; give a folder (it is created if missing)")
