@@ -160,9 +160,9 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
     backend.prepare()
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from eagle3kit.metrics import progress_bar
 
-        bar = tqdm(total=len(todo), unit="sample", desc="extract", smoothing=0.1)
+        bar = progress_bar(total=len(todo), unit="sample", desc="extract", smoothing=0.1)
     manifest = ManifestWriter(out_dir)
     t0 = time.time()
 

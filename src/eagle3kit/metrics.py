@@ -22,6 +22,28 @@ def step_dir(name: str = "notebook") -> Path:
     return path
 
 
+def progress_bar(**kw):
+    """A tqdm bar; in a notebook the runner executes (its output becomes the executed copy and the log) it
+    refreshes at most every 30 s, so long GPU runs still show progress without thousands of fragments."""
+    from tqdm.auto import tqdm
+
+    if os.environ.get(STEP_DIR_ENV):
+        kw = {**kw, "mininterval": 30.0, "maxinterval": 60.0}
+    return tqdm(**kw)
+
+
+def quiet_batch_run() -> None:
+    """In a notebook the runner executes: no per-file progress bars of transformers / huggingface_hub."""
+    if os.environ.get(STEP_DIR_ENV):
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
+
+
 def _check(key: str, value):
     if not isinstance(key, str) or not key.isidentifier():
         raise ValueError(f"metric name {key!r} must be an identifier such as 'capture_max_rel_err'")

@@ -403,9 +403,9 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     eval_steps = cfg.eval_steps or cfg.ttt_steps
     bar = None
     if cfg.progress and dist.rank == 0:
-        from tqdm.auto import tqdm
+        from eagle3kit.metrics import progress_bar
 
-        bar = tqdm(total=total_steps, initial=state["step"], unit="step", desc="train", smoothing=0.05)
+        bar = progress_bar(total=total_steps, initial=state["step"], unit="step", desc="train", smoothing=0.05)
 
     def save():
         if dist.rank != 0:
