@@ -113,3 +113,19 @@ def test_two_extractions_into_one_folder_exclude_each_other(tmp_path, monkeypatc
         assert not (tmp_path / "out" / "manifest.jsonl").exists()
     assert cli.main(argv) == 0
     assert (tmp_path / "out" / "manifest.jsonl").exists() and not (tmp_path / "out" / ".lock").exists()
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--capture-layers", "2", "15", "99", "--drafter-config", "ok.json"], ["--capture-layers 2 15 99", "[99]",
+                                                                          "from 1 to 29"]),
+    (["--capture-layers", "2", "15", "27", "--drafter-config", "notjson.json"], ["notjson.json", "not a readable JSON"]),
+    (["--capture-layers", "2", "15", "27", "--drafter-config", "missing.json"], ["missing.json", "not a readable"]),
+    (["--capture-layers", "2", "15", "27"], ["--drafter-config and --capture-layers"]),
+])
+def test_doctor_refuses_bad_input_with_the_fix(args, words, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ok.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}))
+    (tmp_path / "notjson.json").write_text("{not json")
+    assert cli.main(["doctor", *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and all(w in err for w in words), err

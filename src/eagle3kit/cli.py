@@ -118,6 +118,11 @@ def _doctor(a):
         if not (a.drafter_config and a.capture_layers):
             raise ValueError("doctor needs --drafter DIR (an exported drafter), or --drafter-config and --capture-layers")
         info = TargetInfo.read(resolve_target(a.target or "embedded:smollm2"))
+        bad = [k for k in a.capture_layers if not 1 <= k < info.num_layers]
+        if bad:
+            raise ValueError(f"--capture-layers {' '.join(map(str, a.capture_layers))}: {bad} outside the target's "
+                             f"aux range; in the input_of_layer convention aux ids run from 1 to {info.num_layers - 1} "
+                             f"({info.num_layers} layers; the final slot {info.num_layers} is added by itself)")
         try:
             drafter = json.loads(Path(a.drafter_config).read_text())
         except (OSError, ValueError) as e:
