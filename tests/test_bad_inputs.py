@@ -129,3 +129,17 @@ def test_doctor_refuses_bad_input_with_the_fix(args, words, tmp_path, monkeypatc
     assert cli.main(["doctor", *args]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and all(w in err for w in words), err
+
+
+def test_data_that_is_not_text_and_an_out_that_is_not_writable_are_refused(tmp_path, monkeypatch, capsys):
+    import os
+
+    monkeypatch.chdir(_files(tmp_path))
+    (tmp_path / "binary.jsonl").write_bytes(b'{"id": "a"}\n\xff\xfe\x00')
+    assert cli.main(["extract", "--out", "out", "--data", "binary.jsonl"]) == 2
+    assert "binary.jsonl: not UTF-8 text at byte 12" in capsys.readouterr().err
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == "ro" else real(p, mode))  # root writes anywhere
+    (tmp_path / "ro").mkdir()
+    assert cli.main(["extract", "--out", "ro/out", "--data", "good.json"]) == 2
+    assert "--out ro/out: ro is not writable" in capsys.readouterr().err

@@ -62,8 +62,6 @@ def test_token_ids_that_are_not_the_prompt_fail(setting):
 
 
 def test_chunked_vs_unchunked_checks_token_ids(setting, tmp_path):
-    from eagle3kit.capture.format import capture_metadata, write_sample  # noqa: F401 - the files the engines write
-
     ref, prompts, _, _ = setting
     keys = list(prompts)[:2]
     for d in ("a", "b"):

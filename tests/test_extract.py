@@ -161,6 +161,22 @@ def test_exporters_check_values_and_leave_out_a_corrupt_sample(tmp_path, extract
     assert not torch.equal(d["hidden_state"][0], hs[:, -1])
 
 
+def test_an_export_of_nothing_fails_and_leaves_its_destination_empty(tmp_path, extracted):
+    from eagle3kit.export import to_specforge, to_speculators
+
+    bad, entries = _copy_with_a_flipped_byte(extracted[0], tmp_path / "copy", 0, -3, 0x01)
+    for e in entries[1:]:
+        f = bad / "samples" / e["file"]
+        blob = bytearray(f.read_bytes())
+        blob[-3] ^= 0x01
+        f.unlink()
+        f.write_bytes(bytes(blob))
+    for fn, dest in ((to_speculators, tmp_path / "spec"), (to_specforge, tmp_path / "sf")):
+        with pytest.raises(StoreError, match="every sample failed its check"):
+            fn(bad, dest, split="all")
+        assert not any(dest.iterdir())  # a rerun after the fix is not refused as "not empty"
+
+
 def test_resume_after_a_real_kill(tmp_path, target_path):
     """SIGKILL an extraction mid-run; the rerun completes it with every sample exactly once and verified."""
     out = tmp_path / "killed"

@@ -200,3 +200,21 @@ def test_fp8_copy_trains_on_the_same_states_within_fp8(small_dataset, tmp_path):
     x, y = a.load(0)["hidden_states"].float(), b.load(0)["hidden_states"].float()
     err = ((x - y).norm(dim=-1) / x.norm(dim=-1)).max()
     assert 0 < err < 0.05 and torch.equal(a.load(0)["token_ids"], b.load(0)["token_ids"])
+
+
+def test_a_post_norm_drafter_stays_flagged_after_a_re_export(small_dataset, tmp_path):
+    """The export records what the training data's final slot was; `eagle3kit export sglang` of that export keeps
+    it, so the doctor still flags a drafter trained on post-norm states (it was rewritten as pre-norm before)."""
+    from eagle3kit.doctor import diagnose
+    from eagle3kit.drafter.export import export_drafter
+    from eagle3kit.store import derive
+
+    post = tmp_path / "post"
+    derive(small_dataset, post, final_slot="post_norm")
+    out = tmp_path / "t"
+    train(TrainConfig(data=str(post), out_dir=str(out), max_steps=1, allow_post_norm_final=True, **TINY))
+    again = tmp_path / "again"
+    export_drafter(out, again, "sglang")
+    for d in (out / "best", again):
+        assert json.loads((d / "eagle3kit.json").read_text())["final_pre_norm"] is False
+        assert not diagnose(d).ok

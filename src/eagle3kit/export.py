@@ -49,10 +49,14 @@ def _checked(out_dir, split):
     return rows(), skipped
 
 
-def _done(out: dict, skipped: list, out_dir) -> dict:
-    if not out["rows"]:
+def _refuse_empty(n: int, skipped: list, out_dir) -> None:
+    """Before anything is written to the destination (so a rerun after the fix finds it empty)."""
+    if not n:
         raise StoreError(f"{out_dir}: every sample failed its check ({skipped[:3]}...); nothing exported. Fix: "
                          f"`eagle3kit verify {out_dir}`, then rerun the extraction to capture them again")
+
+
+def _done(out: dict, skipped: list) -> dict:
     for why in skipped[:10]:
         print(f"left out: {why}")
     return {**out, "skipped": len(skipped), "skipped_reasons": skipped[:100]}
@@ -93,12 +97,15 @@ def to_speculators(out_dir, dest, split: str = "train") -> dict:
         rows["loss_mask"].append(mask)
         rows["seq_len"].append(len(ids))
         freq.update(t for t, m in zip(ids, mask) if m)
+    if not rows["seq_len"]:
+        hs_dir.rmdir()
+    _refuse_empty(len(rows["seq_len"]), skipped, out_dir)
     ds = Dataset.from_dict(rows)
     ds.set_format("torch")
     ds.save_to_disk(str(dest))
     torch.save(dict(freq), dest / "token_freq.pt")
     return _done({"format": "speculators", "rows": len(rows["seq_len"]), "hard_linked": linked, "dest": str(dest)},
-                 skipped, out_dir)
+                 skipped)
 
 
 def to_specforge(out_dir, dest, split: str = "train") -> dict:
@@ -116,4 +123,5 @@ def to_specforge(out_dir, dest, split: str = "train") -> dict:
                     "aux_hidden_state": hs[:, :-1].reshape(1, hs.shape[0], -1).contiguous(),
                     "hidden_state": s["final_normed"].unsqueeze(0).contiguous()}, group / f"data_{i}.ckpt")
         n += 1
-    return _done({"format": "specforge", "rows": n, "dest": str(dest)}, skipped, out_dir)
+    _refuse_empty(n, skipped, out_dir)  # nothing was written: every row is written only after its check
+    return _done({"format": "specforge", "rows": n, "dest": str(dest)}, skipped)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from eagle3kit.capture.format import read_sample
-from eagle3kit.layers import identify, token_errors, token_rel_err
+from eagle3kit.layers import identify, token_errors
 
 FINAL_NORMED = "final_normed"
 
@@ -36,23 +36,26 @@ def probe_prompts(tokenizer, n: int, min_len: int, max_len: int, seed: int = 0, 
     raise ValueError(f"only {len(prompts)} of {n} prompts reach {min_len} tokens in {data}")
 
 
-def calibrate_bounds(reference, prompts: dict, factor: float = 3.0, floor: float = 0.03) -> dict:
+def calibrate_bounds(reference, prompts: dict, factor: float = 3.0, floor: float = 0.03, refs: dict | None = None) -> dict:
     """Per-token error bound of each slot, calibrated on bf16: the same model run in bf16 against the fp32
     reference on the same prompts; bound = max(floor, factor x the worst token seen). A bf16 engine (SGLang) stays
     inside it; a shifted token, another request's rows, a neighbouring layer or a post-norm state are 30-100 %
-    off on the tokens they touch (``corruptions``; tests/test_capture_check.py)."""
+    off on the tokens they touch (``corruptions``; tests/test_capture_check.py). ``refs``: filled with the fp32
+    reference's tensors per prompt key, for the check to reuse instead of running them again."""
     from eagle3kit.capture.reference import ReferenceEngine
 
     b16 = ReferenceEngine(reference.path, reference.layer_ids[:-1], final_normed=True, dtype="bfloat16",
                           device=str(reference.device))
     worst: dict = {}
-    for ids in prompts.values():
-        a, b = b16.hidden(ids), reference.hidden(ids)
+    refs = {} if refs is None else refs
+    for key, ids in prompts.items():
+        a = b16.hidden(ids)
+        b = refs[key] = refs.get(key) or reference.hidden(ids)
         for j, layer in enumerate(reference.layer_ids):
             e = token_errors(a["hidden_states"][:, j], b["hidden_states"][:, j]).max().item()
             worst[layer] = max(worst.get(layer, 0.0), e)
-        if "final_normed" in a and "final_normed" in b:
-            e = token_errors(a["final_normed"], b["final_normed"]).max().item()
+        if FINAL_NORMED in a and FINAL_NORMED in b:
+            e = token_errors(a[FINAL_NORMED], b[FINAL_NORMED]).max().item()
             worst[FINAL_NORMED] = max(worst.get(FINAL_NORMED, 0.0), e)
     del b16
     return {k: max(floor, factor * v) for k, v in worst.items()}
@@ -79,12 +82,16 @@ def check_sample(cap: dict, ids, ref: dict, layer_ids, bounds: dict) -> list[dic
     return rows
 
 
-def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, rank: int = 0) -> list[dict]:
-    """One row per (request, slot): the capture against the reference engine's state (``check_states``)."""
+def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, rank: int = 0,
+                         refs: dict | None = None) -> list[dict]:
+    """One row per (request, slot): the capture against the reference engine's state (``check_states``);
+    ``refs``: reference tensors already computed per key (``calibrate_bounds``)."""
     rows = []
+    refs = refs or {}
     for key, ids in prompts.items():
         cap, meta = read_sample(Path(capture_dir) / f"{key}.rank{rank}.safetensors")
-        for r in check_sample(cap, ids, reference.hidden(ids), meta["layer_ids"], bounds):
+        ref = refs[key] if key in refs else reference.hidden(ids)
+        for r in check_sample(cap, ids, ref, meta["layer_ids"], bounds):
             rows.append({"key": key, "n_tokens": len(ids), **r})
     return rows
 

@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 from eagle3kit import spec
-from eagle3kit.store import SETTINGS, StoreError, load_entry, read_manifest
+from eagle3kit.store import SETTINGS, StoreError, load_checked, read_manifest
 
 
 def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibration: int = 2) -> dict:
@@ -32,12 +32,13 @@ def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibra
     picked = random.Random(seed).sample(entries, min(n, len(entries)))
     ref = ReferenceEngine(resolve_target(settings["target"]), settings["layer_ids"][:-1],
                           final_normed=bool(settings.get("final_normed")), device=device)
-    samples = {e["key"]: load_entry(out_dir, e) for e in picked}
+    samples = {e["key"]: load_checked(out_dir, e) for e in picked}  # checksum and manifest token ids first
     ids = {k: s["token_ids"].tolist() for k, s in samples.items()}
-    bounds = spec.calibrate_bounds(ref, dict(list(ids.items())[:calibration]))
+    refs: dict = {}
+    bounds = spec.calibrate_bounds(ref, dict(list(ids.items())[:calibration]), refs=refs)
     rows = []
     for k, s in samples.items():
-        for r in spec.check_sample(s, ids[k], ref.hidden(ids[k]), ref.layer_ids, bounds):
+        for r in spec.check_sample(s, ids[k], refs.get(k) or ref.hidden(ids[k]), ref.layer_ids, bounds):
             rows.append({"key": k, **r})
     failed = sorted({r["key"] for r in rows if not r["ok"]})
     return {"checked": len(samples), "failed": failed, "rows": rows, "bounds": bounds}

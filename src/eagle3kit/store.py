@@ -88,18 +88,29 @@ def load_entry(out_dir: Path, entry: dict) -> dict:
     return tensors
 
 
+def read_checked(out_dir: Path, entry: dict) -> tuple[dict, dict]:
+    """(decoded tensors, file metadata) of a sample, read once and hashed and parsed from the same bytes;
+    StoreError naming the problem when the file is missing, differs from the manifest's checksum or is unreadable."""
+    path = Path(out_dir) / "samples" / entry["file"]
+    if not path.exists():
+        raise StoreError(f"file {path.name} is missing")
+    blob = path.read_bytes()
+    if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+        raise StoreError(f"checksum differs from the manifest ({path.name} changed or is corrupt)")
+    try:
+        return decode(load(blob)), _file_metadata(blob)
+    except Exception as ex:  # noqa: BLE001 - any parse failure is the file's problem
+        raise StoreError(f"{path.name} unreadable: {type(ex).__name__}: {ex}") from None
+
+
 def load_checked(out_dir: Path, entry: dict) -> dict:
     """``load_entry`` of a sample whose file checksum and token ids match the manifest (StoreError otherwise):
     what exporters hand to another trainer, which has no way to check."""
-    path = Path(out_dir) / "samples" / entry["file"]
-    if not path.exists():
-        raise StoreError(f"{entry['file']}: missing")
-    if hashlib.sha256(path.read_bytes()).hexdigest() != entry["sha256"]:
-        raise StoreError(f"{entry['file']}: checksum differs from the manifest (changed or corrupt on disk)")
-    s = load_entry(out_dir, entry)
-    if token_sha256(s["token_ids"]) != entry["token_sha256"]:
+    t, _ = read_checked(out_dir, entry)
+    if token_sha256(t["token_ids"]) != entry["token_sha256"]:
         raise StoreError(f"{entry['file']}: token ids differ from the manifest's")
-    return s
+    t["loss_mask"] = torch.tensor(spans_to_mask(entry["loss_spans"], entry["n_tokens"]), dtype=torch.int64)
+    return t
 
 
 class HiddenStatesDataset(torch.utils.data.Dataset):
@@ -140,23 +151,15 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
     rep = VerifyReport()
     for key, e in sorted(read_manifest(out_dir).items(), key=lambda kv: kv[1]["index"]):
         rep.checked += 1
-        path = out_dir / "samples" / e["file"]
 
         def bad(problem):
             rep.problems.append({"key": key, "problem": problem})
-        if not path.exists():
-            bad(f"file {path.name} is missing")
-            continue
-        blob = path.read_bytes()  # one read: hashed and parsed from the same bytes
-        if hashlib.sha256(blob).hexdigest() != e["sha256"]:
-            bad(f"checksum differs from the manifest ({path.name} changed or is corrupt)")
-            continue
         try:
-            t = decode(load(blob))
-            layers = _file_metadata(blob).get("layer_ids")
-        except Exception as ex:  # noqa: BLE001
-            bad(f"unreadable: {type(ex).__name__}: {ex}")
+            t, meta = read_checked(out_dir, e)
+        except StoreError as err:
+            bad(str(err))
             continue
+        layers = meta.get("layer_ids")
         hs, ids = t["hidden_states"], t["token_ids"]
         if "layer_ids" in settings and layers is not None and json.loads(layers) != settings["layer_ids"]:
             bad(f"captured at layers {json.loads(layers)}, the data set's settings say {settings['layer_ids']}")

@@ -91,14 +91,14 @@ def model_hook(config):
             if not _is_prefill(fb) or not getattr(fb, "rids", None):
                 return
             normed = output[0] if isinstance(output, tuple) else output
-            if st.params is None:
-                st.params = {k: v.detach().to("cpu", copy=True) for k, v in module.named_parameters()}
             aux = fb.spec_info.hidden_states
             rows = []
             for rid, i, a, b in split_rows(fb.rids, fb.extend_seq_lens_cpu, st.prefix):
                 rows.append((rid, i, {"aux": aux[a:b].detach().cpu().clone(), "input_ids": args[0][a:b].cpu().clone(),
                                    "positions": args[1][a:b].cpu().clone(),
                                    "normed": normed[a:b].detach().cpu().clone()}))
+            if rows and st.params is None:  # only once a request of ours is in the batch (not on warmup)
+                st.params = {k: v.detach().to("cpu", copy=True) for k, v in module.named_parameters()}
             st.pending = (normed, rows) if rows else None
         except Exception:  # noqa: BLE001 - never raise into SGLang
             st.pending = None

@@ -59,19 +59,23 @@ def start_servers(target, servings: list[Serving], log_dir, base_port: int = 310
     Returns {name: SGLangServer}; a server that fails to start is reported by name with its log's tail."""
     from eagle3kit.capture.server import SGLangServer
 
-    servers = {}
-    for i, s in enumerate(servings):
-        srv = SGLangServer(target, port=base_port + i, extra_args=[*common_args, *s.args()],
-                           log_path=Path(log_dir) / f"sglang-{s.name}.log", hooks=s.hooks,
-                           startup_timeout=startup_timeout)
-        servers[s.name] = srv.start()
-        time.sleep(stagger)
-    failed = {}
-    for name, srv in servers.items():
-        try:
-            srv.wait_healthy()
-        except Exception as e:  # noqa: BLE001 - report every failed server, keep the others
-            failed[name] = str(e)[-2000:]
+    servers, failed = {}, {}
+    try:
+        for i, s in enumerate(servings):
+            srv = SGLangServer(target, port=base_port + i, extra_args=[*common_args, *s.args()],
+                               log_path=Path(log_dir) / f"sglang-{s.name}.log", hooks=s.hooks,
+                               startup_timeout=startup_timeout)
+            servers[s.name] = srv.start()
+            time.sleep(stagger)
+        for name, srv in servers.items():
+            try:
+                srv.wait_healthy()
+            except Exception as e:  # noqa: BLE001 - report every failed server, keep the others
+                failed[name] = str(e)[-2000:]
+    except BaseException:  # Ctrl-C / SIGTERM while starting: the servers run in their own sessions, stop them
+        for srv in servers.values():
+            srv.stop()
+        raise
     return {"servers": servers, "failed": failed}
 
 

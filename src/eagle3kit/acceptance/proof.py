@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3kit.drafter.export import load_sglang_export
+from eagle3kit.layers import token_errors
 
 
 def records(out_dir) -> dict:
@@ -60,11 +61,6 @@ def compare_params(sglang_params: dict, export_dir, target_path) -> dict:
             "export_params_unloaded_names": unloaded, "export_tensors_not_held": never_held}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    a, b = a.float(), b.float()
-    return (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)
-
-
 @torch.no_grad()
 def compare_logits(recs: dict, export_dir, sglang_lm_head: torch.Tensor | None = None, device: str = "cpu") -> dict:
     """The trained drafter on SGLang's own draft inputs, against SGLang's draft outputs."""
@@ -79,10 +75,10 @@ def compare_logits(recs: dict, export_dir, sglang_lm_head: torch.Tensor | None =
                                   torch.zeros(n, dtype=torch.long, device=device), r["positions"].to(device).long(), 1))
         logits = logits.float().cpu()
         if "last_logits" in r:
-            last_errs.append(float(_rel(logits[-1:], r["last_logits"][None])[0]))
+            last_errs.append(float(token_errors(logits[-1:], r["last_logits"][None])[0]))
         if sglang_lm_head is not None:
             theirs = r["normed"].float() @ sglang_lm_head.float().T
-            row_errs.append(float(_rel(logits, theirs).max()))
+            row_errs.append(float(token_errors(logits, theirs).max()))
             agree += int((logits.argmax(-1) == theirs.argmax(-1)).sum())
             rows += n
     out = {"export_logits_requests": len(recs)}

@@ -12,6 +12,7 @@ uninitialised without a word: only names it loads are written, and ``sglang_name
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3kit.layers import from_input_of_layer, sglang_convention
+from eagle3kit.layers import from_input_of_layer, sglang_convention, token_errors
 
 FORMAT = "eagle3kit-drafter/1"
 _LAYER0 = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -82,9 +83,10 @@ def sglang_tensors(model) -> dict:
 
 
 def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict | None = None,
-              aux_ids_override: list[int] | None = None) -> Path:
+              aux_ids_override: list[int] | None = None, final_pre_norm: bool = True) -> Path:
     """Write an SGLang draft directory (atomically: ``dest`` is replaced whole). ``aux_ids_override`` writes
-    other SGLang layer ids than the training layers' (the off-by-one experiment; the doctor flags it)."""
+    other SGLang layer ids than the training layers' (the off-by-one experiment; the doctor flags it);
+    ``final_pre_norm``: whether the training data's final slot was pre-norm (the doctor flags False)."""
     from eagle3kit.drafter.model import check_servable
     from eagle3kit.target import TargetInfo
 
@@ -104,8 +106,8 @@ def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict |
     (tmp / "eagle3kit.json").write_text(json.dumps({
         "format": FORMAT, "target": str(target_path), "target_model_type": info.model_type,
         "target_num_layers": info.num_layers, "capture_layer_ids": [int(k) for k in aux_layer_ids] + [info.num_layers],
-        "layer_convention": "input_of_layer", "final_pre_norm": True, "draft_vocab_size": int(vocab.size),
-        **(provenance or {})}, indent=1, default=str))
+        "layer_convention": "input_of_layer", "draft_vocab_size": int(vocab.size), **(provenance or {}),
+        "final_pre_norm": bool(final_pre_norm)}, indent=1, default=str))
     return _publish(tmp, dest)
 
 
@@ -160,7 +162,8 @@ def export_drafter(src, dest, fmt: str, checkpoint: str = "best", sglang_layer_i
                                                              "target_num_layers", "capture_layer_ids",
                                                              "layer_convention", "final_pre_norm", "draft_vocab_size")}
     if fmt == "sglang":
-        out = to_sglang(model, vocab, dest, meta["target"], aux, provenance, aux_ids_override=sglang_layer_ids)
+        out = to_sglang(model, vocab, dest, meta["target"], aux, provenance, aux_ids_override=sglang_layer_ids,
+                        final_pre_norm=meta.get("final_pre_norm", True))
     elif fmt == "speculators":
         out = to_speculators(model, dest, {**meta, **provenance})
     else:
@@ -177,7 +180,7 @@ def loadback_rel_err(train_dir, data_dir, rows: int = 256) -> float:
 
     train_dir = Path(train_dir)
     exported, _, meta = load_sglang_export(train_dir / "final")
-    trained, _, _ = load_sglang_export(train_dir / "final")
+    trained = copy.deepcopy(exported)
     ckpt = torch.load(train_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
     trained.load_state_dict(ckpt["model"], strict=False)
     held = D.CaptureSource(data_dir, "heldout")
@@ -185,4 +188,4 @@ def loadback_rel_err(train_dir, data_dir, rows: int = 256) -> float:
     b = D.collate([D.align(src.load(0), len(meta["capture_layer_ids"]), exported.hidden_size, rows)])
     x, y = (next(draft_steps(m.float(), b["aux"].float(), b["input_ids"], b["doc_ids"], b["position_ids"], 1))
             for m in (exported, trained))
-    return float(((x - y).norm(dim=-1) / y.norm(dim=-1)).max())
+    return float(token_errors(x, y).max())

@@ -533,8 +533,8 @@ def export(run: Run, dest: Path, extra: dict | None = None) -> Path:
 
     return to_sglang(run.model, run.vocab, dest, run.target, run.extra["aux_layer_ids"],
                      provenance={"data": str(run.cfg.data), "train": asdict(run.cfg),
-                                 "final_pre_norm": run.info.final_pre_norm is not False,
-                                 "most_frequent_token": run.most_frequent, **(extra or {})})
+                                 "most_frequent_token": run.most_frequent, **(extra or {})},
+                     final_pre_norm=run.info.final_pre_norm is not False)
 
 
 def _summary(run: Run, state: dict, lengths: list[int]) -> dict:
