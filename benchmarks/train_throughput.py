@@ -1,6 +1,9 @@
 """Drafter training throughput: eagle3kit's trainer, and speculators 0.9.0's own Trainer on the same data (ratio).
 
 A  eagle3kit.drafter.train.train(): a TrainConfig (RECIPE + --set), ``--steps`` optimizer steps.
+A' the same training step on a few batches already on the device (no loader, no evaluation): what the step's own
+   work sustains, so A / A' says how much the input path costs; with a torch.profiler table of its slowest
+   operations (logs/compute-rN-profile.txt, by device time and by host time).
 B  speculators' Trainer on the same train split exported by ``eagle3kit export speculators``: its ArrowDataset,
    multipack DataLoader (shift_batch), AdamW / autocast step loop (``Trainer.train_epoch``), on the same network
    (speculators' Eagle3DraftModel as eagle3kit builds it: one layer, the target's hidden size, the same draft
@@ -122,6 +125,53 @@ def pass_a(a, out: Path) -> dict:
     return {**res, "train_py_tokens_per_s": summary["train_tokens_per_s"], "data_wait_fraction": wait}
 
 
+def compute_alone(a, out: Path) -> dict:
+    """A': eagle3kit's optimizer step (forward_batch, backward, clipping, AdamW) on batches loaded once."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from eagle3kit.drafter import data as D
+    from eagle3kit.drafter.train import forward_batch, setup
+    from eagle3kit.drafter.ttt import TTTModule
+
+    cfg = train_config(a, out)
+    run = setup(cfg)
+    src = run.train_src
+    batches = D.plan([src.length(i) for i in range(len(src))], cfg.tokens_per_batch, cfg.seed, 0)[:8]
+    loaded = [{k: v.to(run.device) for k, v in b.items()}
+              for _, b, _ in D.loader(src, batches, run.info.n_states, run.info.hidden_size, cfg.tokens_per_batch,
+                                      workers=0) if b is not None]
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    module = TTTModule(run.model)
+    run.model.train()
+    cuda = run.device.type == "cuda"
+
+    def step(b) -> int:
+        loss, _ = forward_batch(run, module, b, cfg.ttt_steps)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(run.device)
+        return int(b["input_ids"].shape[0])
+
+    tokens, seconds = [], []
+    for i in range(a.steps):
+        t0 = time.perf_counter()
+        tokens.append(step(loaded[i % len(loaded)]))
+        seconds.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for i in range(3):
+            step(loaded[i % len(loaded)])
+    ka = prof.key_averages()
+    table = Path(a.out) / "logs" / f"compute-r{a.round}-profile.txt"
+    table.write_text(("by device time\n" + ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n" if cuda else "")
+                     + "by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+    return {**figure(tokens, seconds, a.warmup), "batches_on_device": len(loaded), "profile": table.name}
+
+
 def loader_alone(a) -> dict:
     """eagle3kit's batch loader without training (same plan, workers, pinning): can it feed the GPU?"""
     from eagle3kit.drafter import data as D
@@ -215,6 +265,7 @@ def child(a) -> None:
     res = out / f"{a.child}-r{a.round}.json"
     try:
         r = pass_a(a, out / f"eagle3kit-r{a.round}") if a.child == "eagle3kit" else \
+            compute_alone(a, out / f"compute-r{a.round}") if a.child == "compute" else \
             pass_b(a, out / f"speculators-r{a.round}", out / "speculators_data")
     except Exception as e:  # noqa: BLE001 - reported by the parent
         traceback.print_exc()
@@ -298,9 +349,10 @@ def main(argv=None) -> int:
         say(f"speculators export: {spec_data} in {spec_export} s")
     else:
         say(f"speculators export failed: {why.strip()[-1500:]}")
-    res, spec_argv, fused_error = {"eagle3kit": [], "speculators": []}, [], None
+    res, spec_argv, fused_error = {"eagle3kit": [], "compute": [], "speculators": []}, [], None
     for rnd in range(1, a.rounds + 1):
         res["eagle3kit"].append(run_pass(a, argv, "eagle3kit", rnd, say))
+        res["compute"].append(run_pass(a, argv, "compute", rnd, say))
         if spec_export is None:
             res["speculators"].append({"error": "the speculators export failed"})
             continue
@@ -313,16 +365,19 @@ def main(argv=None) -> int:
             say("  speculators: the fused loss failed; this and later rounds with --spec-loss eager")
             r = run_pass(a, argv + spec_argv, "speculators", rnd, say)
         res["speculators"].append(r)
-    e3k, spec = stats(res["eagle3kit"]), stats(res["speculators"])
+    e3k, spec, comp = stats(res["eagle3kit"]), stats(res["speculators"]), stats(res["compute"])
     ratio = e3k["median"] / spec["median"] if e3k["median"] and spec["median"] else None
     say()
     say(f"{'pass':<12} " + " ".join(f"{f'round {i}':>12}" for i in range(1, a.rounds + 1))
         + f" {'median':>12} {'spread':>8}   tokens/s")
-    for name, s in (("eagle3kit", e3k), ("speculators", spec)):
+    for name, s in (("eagle3kit", e3k), ("compute", comp), ("speculators", spec)):
         cells = [f"{r['tokens_per_s']:>12,.0f}" if "error" not in r else f"{'error':>12}" for r in res[name]]
         say(f"{name:<12} " + " ".join(cells) + (f" {s['median']:>12,.0f} {s['spread_pct']:>7.1f}%"
                                                  if s["median"] else f" {'-':>12} {'-':>8}"))
     say(f"ratio eagle3kit / speculators (medians): {ratio:.2f}" if ratio else "ratio eagle3kit / speculators: -")
+    if comp["median"] and e3k["median"]:
+        say(f"eagle3kit's step alone (batches on the device): {comp['median']:,.0f} tok/s; the full trainer reaches "
+            f"{e3k['median'] / comp['median']:.0%} of it (profile: logs/compute-r1-profile.txt)")
     errors = [r["error"] for r in res["speculators"] if "error" in r]
     train_errors = [r["error"] for r in res["eagle3kit"] if "error" in r]
     metrics = {"train_tokens_per_s_alone": e3k["median"], "train_tokens_per_s_rounds": e3k["rounds"],
@@ -330,6 +385,8 @@ def main(argv=None) -> int:
                "speculators_tokens_per_s": spec["median"], "speculators_tokens_per_s_rounds": spec["rounds"],
                "speculators_tokens_per_s_spread_pct": spec.get("spread_pct"),
                "train_vs_speculators_ratio": ratio, "rounds": a.rounds, "loader_tokens_per_s": ld["tokens_per_s"],
+               "train_step_alone_tokens_per_s": comp["median"], "train_step_alone_tokens_per_s_rounds": comp["rounds"],
+               "compute_rounds_detail": res["compute"],
                "eagle3kit_rounds_detail": res["eagle3kit"], "speculators_rounds_detail": res["speculators"],
                "settings": {"data": str(a.data), "device": a.device, "steps": a.steps, "warmup_steps": a.warmup,
                             "tokens_per_batch": a.tokens_per_batch, "workers": a.workers,

@@ -9,6 +9,8 @@
 #            states from transformers (same conversations), fp8 and post-norm data sets derived from the main one
 #     train: 04_train (main) + the controls trained with the same settings, all at once on the one GPU
 #     serve: 05_acceptance online (every drafter and setting served by SGLang) + 06_compare
+#   faults: tests/test_gpu_faults.py (#12: 256 requests in flight up to the context limit, every token checked; kill -9 of
+#     the server mid-extraction and resume), figures in the phase's metrics.json
 #   trainbench: benchmarks/train_throughput.py on the data phase's data set (eagle3kit's trainer alone on the GPU, and
 #     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free)
 #   E3K_TRAIN_MINUTES: the trainings' wall-clock budget (default 6); E3K_MAX_SAMPLES (2000); E3K_DATA_CONTROLS and
@@ -102,11 +104,14 @@ for what in ${1//,/ }; do
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"; rc=${PIPESTATUS[0]} ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
+    faults) E3K_TEST_OUT="$rec" python3 -m pytest -m gpu -v -p no:cacheprovider --basetemp "$rec/tmp" tests/test_gpu_faults.py 2>&1 \
+        | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     drafter-test) E3K_TEST_OUT="$rec" python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_drafter.py 2>&1 \
         | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     data|train|serve) drafter_phase "$what" "$rec"; rc=$? ;;
     trainbench) $stop python3 benchmarks/train_throughput.py --data /root/work/run/03_extract/data --out "$rec" --device cuda \
-        --steps ${E3K_BENCH_STEPS:-40} --rounds ${E3K_BENCH_ROUNDS:-2} --timeout-s 150 2>&1 | tee "$rec/bench-stdout.log"; rc=${PIPESTATUS[0]} ;;
+        --steps ${E3K_BENCH_STEPS:-40} --rounds ${E3K_BENCH_ROUNDS:-2} --timeout-s 150 --workers ${E3K_BENCH_WORKERS:-6} 2>&1 | tee "$rec/bench-stdout.log"; rc=${PIPESTATUS[0]}
+        rm -rf "$rec/speculators_data" ;;  # its copy of the hidden states (GBs): the disk is shared with the next phases
     setup) rc=0; continue ;;  # only the installs above
   esac
   for d in "$rec"/run/03_extract/data; do  # what shows the run without tensors: manifest, replies, writers' status

@@ -25,6 +25,9 @@ def test_train_benchmark_runs_on_cpu(small_dataset, tmp_path):
     detail = m["eagle3kit_rounds_detail"][0]
     assert detail["steps"] == 3 and detail["warmup_steps_left_out"] == 2 and 0 < detail["tokens"] <= 256
     assert 0 <= detail["data_wait_fraction"] < 1 and m["loader_tokens_per_s"] > 0
+    step_alone = m["compute_rounds_detail"][0]  # the step on batches already loaded, with its profile table
+    assert m["train_step_alone_tokens_per_s"] > 0 and step_alone["steps"] == 3, step_alone
+    assert "by host time" in (out / "logs" / step_alone["profile"]).read_text()
     if m["speculators_tokens_per_s"] is None:  # e.g. its trainer's imports (httpx) missing in this environment
         assert m["speculators_error"] and m["train_vs_speculators_ratio"] is None
     else:

@@ -52,24 +52,18 @@ def valid_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, k: int) -> torch.
     return m & shifted(m, k + 1, False) & (shifted(doc_ids, k + 1, -1) == doc_ids)
 
 
-def step_loss(logits: torch.Tensor, t: Teacher, valid: torch.Tensor, k: int, kind: str) -> tuple[torch.Tensor, int]:
-    """Mean loss of step k over its rows, and the number of rows."""
+def step_loss(logits: torch.Tensor, t: Teacher, valid: torch.Tensor, k: int, kind: str):
+    """(mean loss of step k over its rows, number of rows as a 0-dim tensor), without a host sync: every row is
+    scored and the rows that do not count are weighted 0 (boolean indexing would wait for the GPU each step)."""
     if kind not in LOSSES:
         raise ValueError(f"loss {kind!r}: choose one of {LOSSES}")
     p_log = shifted(t.logp, k)
     rows = valid if kind == "kl" else valid & (shifted(t.draft_index, k, -1) >= 0)
-    n = int(rows.sum())
-    if n == 0:
-        return logits.sum() * 0.0, 0
-    q_log = torch.log_softmax(logits[rows].float(), dim=-1)
-    p_log = p_log[rows]
-    if kind == "kl":
-        per_row = (p_log.exp() * (p_log - q_log)).sum(-1)
-    elif kind == "ce_masked":
-        per_row = -(p_log.exp() * q_log).sum(-1)
-    else:
-        raise ValueError(f"loss {kind!r}: choose one of {LOSSES}")
-    return per_row.mean(), n
+    q_log = torch.log_softmax(logits.float(), dim=-1)
+    p = p_log.exp()
+    per_row = (p * (p_log - q_log)).sum(-1) if kind == "kl" else -(p * q_log).sum(-1)
+    n = rows.sum()
+    return torch.where(rows, per_row, 0.0).sum() / n.clamp(min=1), n
 
 
 @dataclass
@@ -126,25 +120,40 @@ class ChainCounts:
         return out
 
 
-def chain_counts(step_logits, t: Teacher, loss_mask, doc_ids, input_ids, vocab_ids: torch.Tensor,
-                 most_frequent: int, losses=None) -> ChainCounts:
-    """Acceptance counts of one packed row; ``losses``: optional (loss, rows) per step to add in."""
-    c = ChainCounts(len(step_logits))
+def chain_count_tensor(step_logits, t: Teacher, loss_mask, doc_ids, input_ids, vocab_ids: torch.Tensor,
+                       most_frequent: int, losses=None) -> torch.Tensor:
+    """The acceptance counts of one packed row in ``ChainCounts.as_tensor``'s layout, on the logits' device and
+    without a host sync (sum them over batches, read once); ``losses``: optional (loss, rows) per step to add in."""
+    steps = len(step_logits)
+    valid_n, full, cond_total, cond, loss_sum, loss_rows = ([] for _ in range(6))
+    zero = step_logits[0].new_zeros((), dtype=torch.float64)
     accepted = None
+    extra = [zero, zero]
     for k, logits in enumerate(step_logits):
         valid = valid_rows(loss_mask, doc_ids, k)
         proposed = vocab_ids[logits.argmax(-1)]
         correct = proposed == shifted(t.token, k, -1)
         before = valid if accepted is None else valid & accepted
         accepted = correct if accepted is None else accepted & correct
-        c.valid[k] = float(valid.sum())
-        c.full[k] = float((accepted & valid).sum())
-        c.cond_total[k] = float(before.sum())
-        c.cond[k] = float((before & correct).sum())
+        valid_n.append(valid.sum())
+        full.append((accepted & valid).sum())
+        cond_total.append(before.sum())
+        cond.append((before & correct).sum())
         if losses is not None:
             loss, n = losses[k]
-            c.loss_sum[k], c.loss_rows[k] = float(loss) * n, float(n)
+            loss_sum.append(torch.as_tensor(loss, dtype=torch.float64, device=zero.device) * n)
+            loss_rows.append(torch.as_tensor(n, device=zero.device))
+        else:
+            loss_sum.append(zero)
+            loss_rows.append(zero)
         if k == 0:
-            c.baseline_hits = float(((t.token == most_frequent) & valid).sum())
-            c.greedy_path = float(((shifted(input_ids, 1, -1) == t.token) & valid).sum())
-    return c
+            extra = [((t.token == most_frequent) & valid).sum(), ((shifted(input_ids, 1, -1) == t.token) & valid).sum()]
+    parts = valid_n + full + cond_total + cond + loss_sum + loss_rows + extra
+    return torch.stack([x.to(device=zero.device, dtype=torch.float64) for x in parts])
+
+
+def chain_counts(step_logits, t: Teacher, loss_mask, doc_ids, input_ids, vocab_ids: torch.Tensor,
+                 most_frequent: int, losses=None) -> ChainCounts:
+    """Acceptance counts of one packed row (``chain_count_tensor`` read back)."""
+    return ChainCounts.from_tensor(len(step_logits), chain_count_tensor(step_logits, t, loss_mask, doc_ids, input_ids,
+                                                                        vocab_ids, most_frequent, losses).cpu())

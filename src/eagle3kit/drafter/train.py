@@ -28,7 +28,7 @@ import torch
 
 from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
-from eagle3kit.drafter.objective import LOSSES, ChainCounts, chain_counts, step_loss, teacher, valid_rows
+from eagle3kit.drafter.objective import LOSSES, ChainCounts, chain_count_tensor, step_loss, teacher, valid_rows
 
 RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "eval_every", "max_minutes"}  # may differ on a resume
 
@@ -251,7 +251,8 @@ def _autocast(device):
 
 
 def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = True):
-    """TTT forward of one packed batch: (weighted loss, ChainCounts)."""
+    """TTT forward of one packed batch: (weighted loss, counts in ``ChainCounts.as_tensor`` layout on the device).
+    Nothing here waits for the GPU: counts are summed on the device and read once per optimizer step."""
     cfg = run.cfg
     b = _to(batch, run.device)
     t = teacher(run.head, b["final"], run.vocab_ids, run.t2d_index)
@@ -265,8 +266,8 @@ def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = T
             term = lk * (cfg.step_decay ** k)
             total = term if total is None else total + term
     with torch.no_grad():
-        counts = chain_counts([x.detach() for x in step_logits], t, b["loss_mask"], b["doc_ids"], b["input_ids"],
-                              run.vocab_ids, run.most_frequent, losses)
+        counts = chain_count_tensor([x.detach() for x in step_logits], t, b["loss_mask"], b["doc_ids"], b["input_ids"],
+                                    run.vocab_ids, run.most_frequent, losses)
     return total, counts
 
 
@@ -275,9 +276,8 @@ def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int |
     """Chained acceptance over a held-out source (every rank its share; counts summed over ranks)."""
     source = source if source is not None else run.heldout_src
     steps = steps or run.cfg.eval_steps or run.cfg.ttt_steps
-    counts = ChainCounts(steps)
     if source is None:
-        return counts
+        return ChainCounts(steps)
     from eagle3kit.drafter.ttt import TTTModule
 
     module = TTTModule(run.model)
@@ -286,12 +286,13 @@ def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int |
     batches = D.plan([source.length(i) for i in range(len(source))], run.cfg.tokens_per_batch, None)
     if max_batches:
         batches = batches[:max_batches]
+    total = torch.zeros(6 * steps + 2, dtype=torch.float64, device=run.device)
     for _, batch, _ in D.loader(source, batches, run.info.n_states, run.info.hidden_size, run.cfg.tokens_per_batch,
                                 rank=run.dist.rank, world=run.dist.world, workers=0):
         if batch is not None:
-            counts.add(forward_batch(run, module, batch, steps, with_loss=False)[1])
+            total += forward_batch(run, module, batch, steps, with_loss=False)[1]
     run.model.train(was)
-    total = run.dist.all_sum(counts.as_tensor().to(run.device)).cpu()
+    total = run.dist.all_sum(total).cpu()
     return ChainCounts.from_tensor(steps, total)
 
 
@@ -448,7 +449,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
             if state["step"] >= total_steps:
                 break
             t0 = time.perf_counter()
-            counts = ChainCounts(cfg.ttt_steps)
+            counts = torch.zeros(6 * cfg.ttt_steps + 2, dtype=torch.float64, device=run.device)
             rows, waited = 0, 0.0
             for micro in range(cfg.grad_accum):
                 tw = time.perf_counter()
@@ -464,7 +465,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 with ctx:
                     loss, c = forward_batch(run, module, batch, cfg.ttt_steps)
                     (loss / cfg.grad_accum).backward()
-                counts.add(c)
+                counts += c
                 rows += int(batch["input_ids"].shape[0])
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
@@ -478,7 +479,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
             state["tokens"] += rows
             state["train_seconds"] += dt
             state["data_wait_seconds"] = state.get("data_wait_seconds", 0.0) + waited
-            m = counts.metrics()
+            m = ChainCounts.from_tensor(cfg.ttt_steps, counts.cpu()).metrics()
             row = {"step": state["step"], "epoch": epoch, "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm),
                    "tokens_per_s": rows / dt if dt else 0.0, "seconds": dt, "data_wait_s": waited,
                    **{k: v for k, v in m.items() if k.startswith(("loss_pos", "acc_pos", "cond_acc_pos"))}}

@@ -1,0 +1,153 @@
+"""GPU fault records (#12): a real SGLang capture server under load, and killed with SIGKILL mid-extraction.
+
+Run on the GPU machine with ``scripts/gpu_record.sh faults`` (skipped without CUDA and SGLang). Each test adds its
+figures to ``$E3K_TEST_OUT/metrics.json`` (load_requests, load_mismatches, load_missing; kill_lost,
+kill_duplicated, kill_verified), so the record holds what ran, and asserts them.
+  * load: 256 requests in flight at once, lengths drawn at random up to the target's context limit (real ShareGPT
+    text, conversations joined until the drawn length), every captured token of every slot compared with the
+    transformers reference on the GPU against bf16-calibrated bounds: 0 missing, 0 mismatched.
+  * kill -9: ``eagle3kit extract --engine sglang`` (its own server), the server's process group killed with SIGKILL
+    once some samples are done, then the same command again: every sample exactly once, the ones done before the
+    kill unchanged, the data set verified.
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+SERVER_ARGS = os.environ.get("E3K_SERVER_ARGS", "--attention-backend triton --sampling-backend pytorch "
+                             "--mem-fraction-static 0.25").split()
+LOAD_REQUESTS = int(os.environ.get("E3K_LOAD_REQUESTS", "256"))
+
+
+def _record(**figures) -> None:
+    out = Path(os.environ.get("E3K_TEST_OUT", "."))
+    path = out / "metrics.json"
+    m = json.loads(path.read_text()) if path.exists() else {}
+    m.update(figures)
+    path.write_text(json.dumps(m, indent=1, sort_keys=True))
+    print(figures, flush=True)
+
+
+def long_prompts(tokenizer, n: int, max_len: int, seed: int = 0) -> dict:
+    """``n`` prompts of real text with lengths drawn uniformly in [16, max_len]: rendered ShareGPT conversations
+    joined until the drawn length is reached."""
+    from eagle3kit.data.conversations import load_conversations
+    from eagle3kit.data.render import render
+
+    convs, _ = load_conversations("embedded:sharegpt", limit=3000)
+    rng = random.Random(seed)
+    pool = [render(tokenizer, c["messages"]).input_ids for c in rng.sample(convs, min(len(convs), 600))]
+    prompts = {}
+    for i in range(n):
+        want, ids = rng.randint(16, max_len), []
+        while len(ids) < want:
+            ids += pool[rng.randrange(len(pool))]
+        prompts[f"load{i:04d}"] = ids[:want]
+    return prompts
+
+
+def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokenizer, target_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eagle3kit.capture.client import CaptureClient
+    from eagle3kit.capture.reference import ReferenceEngine
+    from eagle3kit.capture.server import capture_server
+    from eagle3kit.spec import calibrate_bounds, compare_to_reference
+
+    context = json.loads((Path(target_path) / "config.json").read_text())["max_position_embeddings"]
+    prompts = long_prompts(tokenizer, LOAD_REQUESTS, context - 8, seed=11)
+    lengths = [len(v) for v in prompts.values()]
+    s = capture_server(target_path, tmp_path / "captures", [2, 15, 27], port=30950, final_normed=True,
+                       extra_args=SERVER_ARGS + ["--max-running-requests", str(LOAD_REQUESTS)],
+                       log_path=tmp_path / "sglang.log")
+    with s:
+        client = CaptureClient(s.url, s.capture["capture_dir"])
+        t0 = time.time()
+        markers = client.capture_many(prompts.items(), concurrency=LOAD_REQUESTS)
+        seconds = time.time() - t0
+        status = client.status()["rank0"]
+    missing = [m["key"] for m in markers if m["status"] != "ok"]
+    ok = {k: v for k, v in prompts.items() if k not in missing}
+    ref = ReferenceEngine(target_path, [2, 15, 27], final_normed=True, device="cuda")
+    bounds = calibrate_bounds(ref, dict(list(ok.items())[:8]))
+    rows, mismatched, worst = [], set(), 0.0
+    keys = list(ok)
+    for a in range(0, len(keys), 16):  # a slice at a time: the captures of 256 long prompts are GBs
+        part = {k: ok[k] for k in keys[a:a + 16]}
+        for r in compare_to_reference(s.capture["capture_dir"], part, ref, bounds):
+            worst = max(worst, r["token_worst_err"])
+            if not r["ok"]:
+                mismatched.add(r["key"])
+                rows.append(r)
+        for k in part:
+            (Path(s.capture["capture_dir"]) / f"{k}.rank0.safetensors").unlink(missing_ok=True)
+    _record(load_requests=len(prompts), load_in_flight=LOAD_REQUESTS, load_tokens=sum(lengths),
+            load_max_prompt_tokens=max(lengths), load_min_prompt_tokens=min(lengths), load_context_limit=context,
+            load_seconds=round(seconds, 1), load_missing=len(missing), load_mismatches=len(mismatched),
+            load_worst_token_rel_err=worst, load_bounds=bounds, load_hook_errors=status["counts"].get("errors", 0))
+    assert not missing, [m for m in markers if m["status"] != "ok"][:5]
+    assert not mismatched, rows[:5]
+    assert max(lengths) > context // 2 and status["counts"].get("errors", 0) == 0
+
+
+def _server_group(pid: int) -> int | None:
+    """The process group of the SGLang server an ``eagle3kit extract`` process started (its own session)."""
+    import psutil
+
+    for c in psutil.Process(pid).children(recursive=True):
+        try:
+            if "sglang.launch_server" in " ".join(c.cmdline()):
+                return os.getpgid(c.pid)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    return None
+
+
+def test_kill9_server_mid_extraction_then_resume(tmp_path):
+    from eagle3kit.store import read_manifest, verify
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "eagle3kit.cli", "extract", "--engine", "sglang", "--out", str(out),
+           "--max-samples", "600", "--max-tokens", "1024", "--concurrency", "8", "--port", "30960",
+           "--server-args", *SERVER_ARGS]
+    log = open(tmp_path / "first.log", "w")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline, group = time.time() + 600, None
+    while time.time() < deadline and p.poll() is None and len(read_manifest(out)) < 40:
+        time.sleep(0.05)
+    group = _server_group(p.pid)
+    assert p.poll() is None and group is not None, "extraction ended before the kill (log: first.log)"
+    os.killpg(group, signal.SIGKILL)
+    killed_at = len(read_manifest(out))
+    before = {k: e["sha256"] for k, e in read_manifest(out).items()}
+    try:
+        first_rc = p.wait(300)  # the client sees the server gone and stops
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        first_rc = "hung: killed after 300 s"
+    log.close()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    (tmp_path / "second.log").write_text(r.stdout[-20000:] + r.stderr[-20000:])
+    m = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+    lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines() if x.strip()]
+    keys = [e["key"] for e in lines]
+    after = read_manifest(out)
+    expected = m.get("dataset_samples", 0)
+    report = verify(out)
+    _record(kill_done_before=killed_at, kill_client_exit=first_rc, kill_resume_exit=r.returncode,
+            kill_samples=expected, kill_lost=max(0, expected - len(set(keys))) + sum(k not in after for k in before),
+            kill_duplicated=len(keys) - len(set(keys)), kill_changed=sum(after[k]["sha256"] != h for k, h in before.items()
+                                                                         if k in after),
+            kill_verified=bool(report.passed), kill_already_done=m.get("already_done"), kill_written=m.get("written"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 0 < killed_at < expected and len(keys) == len(set(keys)) == expected
+    assert all(k in after and after[k]["sha256"] == h for k, h in before.items())
+    assert report.passed
