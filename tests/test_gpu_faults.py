@@ -55,8 +55,6 @@ def long_prompts(tokenizer, n: int, max_len: int, seed: int = 0) -> dict:
 
 
 def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokenizer, target_path):
-    from concurrent.futures import ThreadPoolExecutor
-
     from eagle3kit.capture.client import CaptureClient
     from eagle3kit.capture.reference import ReferenceEngine
     from eagle3kit.capture.server import capture_server

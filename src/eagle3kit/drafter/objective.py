@@ -124,7 +124,6 @@ def chain_count_tensor(step_logits, t: Teacher, loss_mask, doc_ids, input_ids, v
                        most_frequent: int, losses=None) -> torch.Tensor:
     """The acceptance counts of one packed row in ``ChainCounts.as_tensor``'s layout, on the logits' device and
     without a host sync (sum them over batches, read once); ``losses``: optional (loss, rows) per step to add in."""
-    steps = len(step_logits)
     valid_n, full, cond_total, cond, loss_sum, loss_rows = ([] for _ in range(6))
     zero = step_logits[0].new_zeros((), dtype=torch.float64)
     accepted = None
