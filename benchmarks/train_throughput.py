@@ -113,7 +113,7 @@ def pass_a(a, out: Path) -> dict:
     rows = []
     for s in range(len(log)):
         epoch, k = divmod(s, per_epoch)
-        step = D.plan(lengths, tpb, cfg.seed, epoch)[k * ga:(k + 1) * ga]
+        step = D.epoch_plan(lengths, tpb, cfg.seed, epoch, per_epoch * ga)[k * ga:(k + 1) * ga]
         rows.append(sum(min(max(lengths[i] - 1, 0), tpb) for b in step for i in b))
     if sum(rows) != summary["train_tokens_seen"] or not all(r["tokens_per_s"] > 0 for r in log):
         # samples were skipped: the plan's rows are not what was trained; fall back to train()'s overall figure

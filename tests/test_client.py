@@ -115,6 +115,28 @@ def test_a_capture_that_never_finishes_is_an_error_after_the_timeout(tmp_path):
     assert m["status"] == "error" and "no capture marker" in m["reason"]
 
 
+def test_captures_answered_by_a_server_that_then_died_fail_at_once_not_after_the_timeout(tmp_path):
+    """kill -9 of the GPU server mid-extraction (outputs/records/gpu-drafter-pipeline-2/faults): its writer dies with
+    it, so answered requests never get a marker; the client waited the full timeout (600 s) on each."""
+    server = stand_in_server(lambda key: None, 0.0, answered=None)
+    client = CaptureClient(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=120)
+    assert client.unreachable() is None
+
+    def kill_after_answers():
+        while len(extra_keys) < 3:
+            time.sleep(0.01)
+        server.shutdown()
+        server.server_close()  # the port refuses connections, as a killed process's does
+
+    extra_keys.clear()
+    threading.Thread(target=kill_after_answers, daemon=True).start()
+    t0 = time.time()
+    done = client.capture_many([(f"k{i}", [1, 2]) for i in range(3)], concurrency=3)
+    assert time.time() - t0 < 20  # not the 120 s timeout
+    assert len(done) == 3 and all(m["status"] == "error" and "server is gone" in m["reason"] for m in done), done
+    assert "refused" in client.unreachable().lower()
+
+
 def test_journal_tail_reads_new_whole_lines_only(tmp_path):
     write_marker(tmp_path, "old", 0, {"status": "ok", "key": "old"})
     tail = JournalTail(tmp_path, 0)

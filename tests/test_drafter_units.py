@@ -414,3 +414,30 @@ def test_regeneration_stops_at_the_context_and_empty_conversations_are_skipped()
         def __call__(self, text, **kw):
             return {"input_ids": list(range(len(text))), "offset_mapping": [(i, i + 1) for i in range(len(text))]}
     assert [s.conv_id for s in prepare_samples([a, b], Tok(), max_tokens=64)] == ["a"]
+
+
+# ------------------------------------------------------------------------------------------------------ epoch plans
+def test_epoch_plan_has_the_same_number_of_batches_every_epoch():
+    """Another permutation packs into another number of batches: training's fixed step -> (epoch, batch) map
+    ran out of batches in the second epoch of the GPU run (StopIteration at step 516 of 805)."""
+    import random
+
+    from eagle3kit.drafter.data import epoch_plan, plan
+
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 700) for _ in range(300)]
+    counts = {e: len(plan(lengths, 1024, 0, e)) for e in range(20)}
+    n = sorted(counts.values())[len(counts) // 2]  # as if epoch 0 had packed into this many
+    short = [e for e, c in counts.items() if c < n]
+    long = [e for e, c in counts.items() if c > n]
+    assert short and long, counts  # the situation exists with these lengths
+    for e in (short[0], long[0]):
+        b = epoch_plan(lengths, 1024, 0, e, n)
+        own = plan(lengths, 1024, 0, e)
+        assert len(b) == n and b[:min(n, len(own))] == own[:n]
+        assert all(sum(min(lengths[i] - 1, 1024) for i in batch) <= 1024 for batch in b)
+    e = short[0]
+    b = epoch_plan(lengths, 1024, 0, e, n)
+    assert b[len(plan(lengths, 1024, 0, e)):] == plan(lengths, 1024, 0, e)[: n - counts[e]]  # its own first batches
+    with pytest.raises(ValueError, match="no sample"):
+        epoch_plan([1, 1], 1024, 0, 0, 3)

@@ -32,7 +32,7 @@ def _record(**figures) -> None:
     path = out / "metrics.json"
     m = json.loads(path.read_text()) if path.exists() else {}
     m.update(figures)
-    path.write_text(json.dumps(m, indent=1, sort_keys=True))
+    path.write_text(json.dumps(m, indent=1, sort_keys=True, default=str))
     print(figures, flush=True)
 
 
@@ -90,7 +90,7 @@ def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokeni
     _record(load_requests=len(prompts), load_in_flight=LOAD_REQUESTS, load_tokens=sum(lengths),
             load_max_prompt_tokens=max(lengths), load_min_prompt_tokens=min(lengths), load_context_limit=context,
             load_seconds=round(seconds, 1), load_missing=len(missing), load_mismatches=len(mismatched),
-            load_worst_token_rel_err=worst, load_bounds=bounds, load_hook_errors=status["counts"].get("errors", 0))
+            load_worst_token_rel_err=worst, load_bounds={str(k): v for k, v in bounds.items()}, load_hook_errors=status["counts"].get("errors", 0))
     assert not missing, [m for m in markers if m["status"] != "ok"][:5]
     assert not mismatched, rows[:5]
     assert max(lengths) > context // 2 and status["counts"].get("errors", 0) == 0
@@ -127,7 +127,7 @@ def test_kill9_server_mid_extraction_then_resume(tmp_path):
     killed_at = len(read_manifest(out))
     before = {k: e["sha256"] for k, e in read_manifest(out).items()}
     try:
-        first_rc = p.wait(300)  # the client sees the server gone and stops
+        first_rc = p.wait(300)  # the client sees the server gone and stops (CaptureClient.unreachable)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         first_rc = "hung: killed after 300 s"

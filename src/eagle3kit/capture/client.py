@@ -12,6 +12,9 @@ from eagle3kit.capture.format import JournalTail, read_marker, read_statuses, sa
 from eagle3kit.capture.rid import RID_PREFIX, make_rid
 
 
+GONE_AFTER = 3.0  # seconds an answered capture waits for its marker before the server's liveness is checked
+
+
 class CaptureError(RuntimeError):
     pass
 
@@ -141,8 +144,13 @@ class CaptureClient:
                     checked = now
                     with lock:
                         late = [(k, t, a) for k, (t, a) in answered.items() if now - t > 1.0]
+                    gone = self.unreachable() if any(now - t > GONE_AFTER for _, t, _ in late) else None
                     for key, t, answer in late:
                         m = read_marker(self.capture_dir, key, self.rank)
+                        if m is None and gone and now - t > GONE_AFTER:  # its writer died with it: no marker comes
+                            m = {"status": "error", "key": key, "reason": f"no capture marker, and the server is gone "
+                                 f"({gone}): it stopped after answering. Fix: restart it and capture again (a resume "
+                                 f"of the extraction does)"}
                         if m is None and now - t > self.timeout:
                             m = {"status": "error", "key": key, "reason": f"no capture marker {self.timeout:.0f} s "
                                  f"after SGLang answered; server status: {self.status()}"}
@@ -153,6 +161,22 @@ class CaptureClient:
                 if not (failed or ready):
                     time.sleep(poll)
         return results
+
+    def unreachable(self) -> str | None:
+        """Why none of this client's servers accepts a connection any more (None: one does). A TCP connect, not an
+        HTTP request: a busy server still accepts, a killed one refuses at once."""
+        import socket
+        from urllib.parse import urlsplit
+
+        why = []
+        for url in self.urls:
+            u = urlsplit(url)
+            try:
+                socket.create_connection((u.hostname, u.port or 80), timeout=2).close()
+                return None
+            except OSError as e:
+                why.append(f"{url}: {e.strerror or e}")
+        return "; ".join(why)
 
     def status(self) -> dict:
         """Each writer's status: ``rank<r>``, or ``dp<d>.rank<r>`` per worker of a ``--dp N`` server."""

@@ -178,6 +178,18 @@ def plan(lengths: list[int], tokens_per_batch: int, seed: int | None, epoch: int
     return batches
 
 
+def epoch_plan(lengths: list[int], tokens_per_batch: int, seed: int, epoch: int, n_batches: int) -> list[list[int]]:
+    """Exactly ``n_batches`` packed batches for ``epoch`` (training's fixed step -> (epoch, batch) map, which resume
+    relies on): the epoch's seeded plan cut to ``n_batches``, or, when this epoch's permutation packs into fewer
+    batches than epoch 0's did, completed with its own first batches again."""
+    batches = plan(lengths, tokens_per_batch, seed, epoch)
+    if not batches:
+        raise ValueError("no sample has a token to train on")
+    while len(batches) < n_batches:
+        batches = batches + batches[: n_batches - len(batches)]
+    return batches[:n_batches]
+
+
 def collate(parts: list[dict]) -> dict:
     docs = [torch.full((p["input_ids"].shape[0],), d, dtype=torch.int64) for d, p in enumerate(parts)]
     pos = [torch.arange(1, p["input_ids"].shape[0] + 1, dtype=torch.int64) for p in parts]

@@ -443,7 +443,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     fit_at = state["step"] + FIT_AFTER if cfg.fit_schedule and not state.get("fitted") else None
     while state["step"] < total_steps and not state.get("stopped_early"):
         epoch, in_epoch = divmod(state["step"], steps_per_epoch)
-        batches = D.plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch)[: steps_per_epoch * per_step]
+        batches = D.epoch_plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch, steps_per_epoch * per_step)
         it = iter(D.loader(run.train_src, batches, run.info.n_states, run.info.hidden_size, cfg.tokens_per_batch,
                            start=in_epoch * per_step, rank=dist.rank, world=dist.world, workers=cfg.workers,
                            pin=run.device.type == "cuda"))
