@@ -29,7 +29,7 @@ def _env():
 
 
 def _weights(out):
-    return torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)["model"]
+    return torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]
 
 
 def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
@@ -43,7 +43,7 @@ def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
     deadline = time.time() + 600
     while time.time() < deadline and p.poll() is None:
         if ckpt.exists():
-            step = torch.load(ckpt, map_location="cpu", weights_only=False)["state"]["step"]
+            step = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]
             if step >= 4:
                 p.send_signal(signal.SIGKILL)
                 killed_at = step

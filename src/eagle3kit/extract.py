@@ -6,6 +6,8 @@ one or several for data parallelism) and ``transformers`` (the reference engine,
 """
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
 import time
@@ -22,6 +24,18 @@ class PreflightError(RuntimeError):
     pass
 
 
+class DiskFullError(OSError):
+    """The output disk filled up mid-run: the run stopped cleanly (see ``extract``)."""
+
+
+class _Stop(Exception):
+    pass
+
+
+def _disk_full(marker: dict) -> bool:
+    return marker.get("errno") == errno.ENOSPC or "No space left on device" in str(marker.get("reason", ""))
+
+
 @dataclass
 class Sample:
     key: str
@@ -30,6 +44,27 @@ class Sample:
     split: str
     input_ids: list[int]
     loss_mask: list[int]
+
+
+def _disk_full_error(out_dir: Path, todo: list, totals: dict, failures: list) -> DiskFullError:
+    """The stop report: what is kept, what failed (listed in failures.json when it still fits, else here)."""
+    listed = Path(out_dir) / "failures.json"
+    try:
+        from eagle3kit.capture.format import atomic_write
+
+        atomic_write(listed, json.dumps(failures, indent=1).encode())
+        where = f"listed in {listed}"
+    except OSError:
+        where = "not listed on disk (no space): " + ", ".join(f["key"] for f in failures[:20]) + \
+            (" ..." if len(failures) > 20 else "")
+    left = len(todo) - totals["written"] - totals["failed"]
+    unlisted = totals.get("unlisted", 0)
+    return DiskFullError(errno.ENOSPC, f"--out {out_dir}: the disk is full. This run wrote {totals['written']} of "
+                         f"{len(todo)} samples and stopped" + (f" ({unlisted} of them could not be entered in the "
+                                                               f"manifest and will be captured again)" if unlisted else "")
+                         + f"; {totals['failed']} failed ({where}), {left} were not tried. Every sample in the manifest"
+                         f" is complete; no temporary file is left. Fix: free space (or --storage fp8, about half), "
+                         f"then rerun the same command: it resumes")
 
 
 def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int = 0, heldout_percent: float = 5.0,
@@ -92,7 +127,8 @@ class ReferenceBackend:
             try:
                 m = self.engine.capture(samples_dir, s.key, s.input_ids, storage=self.storage)
             except Exception as e:  # noqa: BLE001 - keep going, report the sample as failed
-                m = {"status": "error", "key": s.key, "reason": f"{type(e).__name__}: {e}"}
+                m = {"status": "error", "key": s.key, "reason": f"{type(e).__name__}: {e}",
+                     "errno": getattr(e, "errno", None)}
             on_done(s.key, m)
 
 
@@ -173,7 +209,8 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
             manifest.append({"key": key, "index": s.index, "conv_id": s.conv_id, "split": s.split,
                              "n_tokens": len(s.input_ids), "file": marker["file"], "bytes": marker["bytes"],
                              "sha256": marker["sha256"], "token_sha256": token_sha256(s.input_ids),
-                             "loss_spans": mask_spans(s.loss_mask), "storage": marker.get("storage")})
+                             "loss_spans": mask_spans(s.loss_mask), "storage": marker.get("storage")},
+                            samples_dir / marker["file"])
             totals["written"] += 1
             totals["tokens"] += len(s.input_ids)
             totals["bytes"] += marker["bytes"]
@@ -181,20 +218,33 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
             totals["failed"] += 1
             failures.append({"key": key, "status": marker.get("status"),
                              "reason": marker.get("reason", f"n_tokens {marker.get('n_tokens')} != {len(s.input_ids)}")})
+            if _disk_full(marker):
+                raise _Stop  # every later sample would fail the same way: stop here, cleanly
         if bar is not None:
             dt = max(time.time() - t0, 1e-9)
             bar.set_postfix(tok_s=f"{totals['tokens'] / dt:,.0f}", GB=f"{totals['bytes'] / 1e9:.2f}",
                             failed=totals["failed"], refresh=False)
             bar.update(1)
 
+    full = False
     try:
-        backend.run(samples_dir, todo, on_done)
+        try:
+            backend.run(samples_dir, todo, on_done)
+        except _Stop:
+            full = True
         seconds = time.time() - t0
     finally:
-        manifest.close()
+        try:
+            manifest.close()
+        except OSError as e:  # the lines of the last group: their samples are captured again by a resume
+            if e.errno != errno.ENOSPC:
+                raise
+            full, totals["unlisted"] = True, manifest.queued()
         if bar is not None:
             bar.close()
         backend.close()
+    if full:
+        raise _disk_full_error(out_dir, todo, totals, failures)
     return {"samples": len(samples), "already_done": len(samples) - len(todo), **totals, "seconds": seconds,
             "tokens_per_s": totals["tokens"] / seconds if seconds > 0 else 0.0, "startup_seconds": t0 - t_start,
             "estimated_bytes": est["estimated_bytes"], "failures": failures}

@@ -2,7 +2,7 @@
 
 <out_dir>/
   extraction.json     the settings the data set was made with (a resume with other settings is refused)
-  manifest.jsonl      one line per finished sample, appended after its file is on disk:
+  manifest.jsonl      one line per finished sample, appended after its file is on disk (fsynced, in groups):
                       key, index, conv_id, split, n_tokens, file, bytes, sha256, token_sha256, loss_spans
   samples/            <key>.rank<r>.safetensors + <key>.rank<r>.json (markers), written by the capture
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,17 +51,57 @@ def read_manifest(out_dir: Path) -> dict[str, dict]:
 
 
 class ManifestWriter:
-    def __init__(self, out_dir: Path):
+    """Appends a sample's manifest line only once its file is on disk (a power cut cannot leave a "done" sample
+    without its bytes). ``append(entry, file)`` queues; every ``group`` entries or ``seconds`` (and at ``close``) the
+    queued files are fsynced, then their folder (the renames that made them), then the lines are appended and the
+    manifest fsynced: one group of syncs, off the server's path. A crash before a group's turn leaves those samples
+    out of the manifest (their files may exist): a resume captures them again."""
+
+    def __init__(self, out_dir: Path, group: int = 64, seconds: float = 2.0):
         self.path = Path(out_dir) / MANIFEST
         self._f = open(self.path, "a")
+        self.group, self.seconds = group, seconds
+        self._queued: list[tuple[dict, Path | None]] = []
+        self._since = time.monotonic()
 
-    def append(self, entry: dict) -> None:
-        self._f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+    def append(self, entry: dict, file: Path | None = None) -> None:
+        self._queued.append((entry, file))
+        if len(self._queued) >= self.group or time.monotonic() - self._since >= self.seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._queued:
+            return
+        folders = set()
+        for _, file in self._queued:
+            if file is not None:
+                _fsync_path(file)
+                folders.add(Path(file).parent)
+        for d in folders:
+            _fsync_path(d)
+        self._f.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e, _ in self._queued))
         self._f.flush()
         os.fsync(self._f.fileno())
+        self._queued.clear()
+        self._since = time.monotonic()
+
+    def queued(self) -> int:
+        """Entries waiting for their group's sync (not yet in the manifest)."""
+        return len(self._queued)
 
     def close(self):
-        self._f.close()
+        try:
+            self.flush()
+        finally:
+            self._f.close()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 LATER_KEYS = {"split"}  # settings that data sets made before they existed do not record (a resume accepts those)
@@ -221,7 +262,7 @@ def derive(src, dest, storage: str | None = None, final_slot: str | None = None,
             key = e["key"]
             m = write_sample(dest / "samples", key, 0, tensors, meta, new["storage"])
             writer.append({**e, "file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"],
-                           "storage": new["storage"]})
+                           "storage": new["storage"]}, dest / "samples" / m["file"])
             n += 1
     finally:
         writer.close()

@@ -131,9 +131,13 @@ def _tmp_name(path: Path) -> Path:
 
 def atomic_write(path: Path, data: bytes) -> None:
     tmp = _tmp_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: no half-written temporary stays behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_sample(out_dir: Path, key: str, rank: int, tensors: dict, metadata: dict, storage: str = "bf16",

@@ -181,7 +181,9 @@ def loadback_rel_err(train_dir, data_dir, rows: int = 256) -> float:
     train_dir = Path(train_dir)
     exported, _, meta = load_sglang_export(train_dir / "final")
     trained = copy.deepcopy(exported)
-    ckpt = torch.load(train_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+    from eagle3kit.drafter.train import load_checkpoint
+
+    ckpt = load_checkpoint(train_dir / "checkpoints" / "last.pt")
     trained.load_state_dict(ckpt["model"], strict=False)
     held = D.CaptureSource(data_dir, "heldout")
     src = held if len(held) else D.CaptureSource(data_dir, "train")

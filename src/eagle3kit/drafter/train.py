@@ -326,6 +326,19 @@ def _fitted_steps(cfg: TrainConfig, state: dict, seconds_so_far: float, steps_so
     return max(state["step"] + 1, min(state["total_steps"], state["step"] + more))
 
 
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint this trainer wrote: tensors, numbers, strings and containers only (``weights_only``), so a file
+    planted in the out_dir cannot run code when it is loaded."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise TrainError(f"{path}: not a checkpoint eagle3kit wrote ({type(e).__name__}: {str(e).splitlines()[0][:200]})."
+                         f" Python objects in it are never unpickled. Fix: remove it (training starts again) or "
+                         f"choose a new out_dir") from None
+
+
 def _rng_state() -> dict:
     st = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -391,7 +404,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     state = {"step": 0, "tokens": 0, "train_seconds": 0.0, "best_tau": -1.0, "best": {}, "skipped": 0,
              "total_steps": total_steps, "planned_steps": total_steps}
     ckpt = out / "checkpoints" / "last.pt"
-    saved = torch.load(ckpt, map_location="cpu", weights_only=False) if ckpt.exists() else None
+    saved = load_checkpoint(ckpt) if ckpt.exists() else None
     if saved:
         state.update(saved["state"])  # the plan as it was (fit_schedule may have cut it)
         state.pop("stopped_early", None)  # a run stopped by max_minutes goes on when resumed

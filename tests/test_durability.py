@@ -1,0 +1,55 @@
+"""Durability (#12, #13): a sample is in the manifest only once its bytes are on disk. The order of the real
+syncs is recorded (os.fsync wrapped, every call's file read from /proc/self/fd) during a real extraction."""
+import json
+import os
+from pathlib import Path
+
+from eagle3kit.store import MANIFEST, ManifestWriter, read_manifest
+
+
+def _record_syncs(monkeypatch, manifest: Path) -> list[tuple[str, int]]:
+    """(synced path, manifest lines on disk at that moment) for every os.fsync of this process."""
+    events, real = [], os.fsync
+
+    def fsync(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        real(fd)
+        lines = len(manifest.read_text().splitlines()) if manifest.exists() else 0
+        events.append((path, lines))
+    monkeypatch.setattr(os, "fsync", fsync)
+    return events
+
+
+def test_manifest_lines_follow_the_sync_of_their_files_in_a_real_extraction(tmp_path, target_path, monkeypatch):
+    from eagle3kit.pipeline import run_extraction
+
+    out = tmp_path / "data"
+    events = _record_syncs(monkeypatch, out / MANIFEST)
+    run_extraction(target=str(target_path), out_dir=out, engine="transformers", max_samples=6, max_tokens=128,
+                   heldout_percent=0, progress=False)
+    lines = [json.loads(x) for x in (out / MANIFEST).read_text().splitlines()]
+    assert len(lines) >= 2
+    samples = str((out / "samples").resolve())
+    for i, e in enumerate(lines):
+        f = str((out / "samples" / e["file"]).resolve())
+        file_syncs = [n for p, n in events if p == f]
+        dir_syncs = [n for p, n in events if p == samples]
+        assert file_syncs and min(file_syncs) <= i, (e["key"], events)  # its bytes synced before its line existed
+        assert any(n <= i for n in dir_syncs), events  # and the rename that made it
+    assert events[-1][0].endswith(MANIFEST)  # the manifest itself synced last
+
+
+def test_lines_wait_for_their_group_and_close_writes_the_rest(tmp_path, monkeypatch):
+    events = _record_syncs(monkeypatch, tmp_path / MANIFEST)
+    w = ManifestWriter(tmp_path, group=3, seconds=3600)
+    files = []
+    for i in range(4):
+        f = tmp_path / f"s{i}.bin"
+        f.write_bytes(b"x" * 10)
+        files.append(f)
+        w.append({"key": f"s{i}"}, f)
+        assert len(read_manifest(tmp_path)) == (3 if i >= 2 else 0)  # nothing "done" before its group is synced
+    w.close()
+    assert list(read_manifest(tmp_path)) == ["s0", "s1", "s2", "s3"]
+    synced = [p for p, _ in events]
+    assert all(str(f.resolve()) in synced for f in files) and synced.count(str(tmp_path.resolve())) == 2
