@@ -12,16 +12,47 @@ def _save(fig, path):
     return fig
 
 
-def bars(labels, values, title, ylabel, path=None, log=False, threshold=None):
+def bars(labels, values, title, ylabel, path=None, log=False, threshold=None, xlabel=None):
+    """Bars with each value written on it, on a scale where they are visible (a bar of 0 or 0.002 still reads)."""
     fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(labels) + 2), 3))
     ax.bar([str(x) for x in labels], values, color="#4c72b0")
+    for i, v in enumerate(values):
+        ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
     if threshold is not None:
         ax.axhline(threshold, color="#c44e52", ls="--", lw=1, label=f"tolerance {threshold}")
-        ax.legend()
+        ax.legend(fontsize=7)
+    positive = [v for v in values if v > 0]
+    if threshold and positive and max(values) < threshold / 10:
+        log = True  # a bar of 0.002 under a line at 0.1 does not read on a linear axis
     if log:
         ax.set_yscale("log")
+    else:
+        top = max([*values, threshold or 0, 0])
+        ax.set_ylim(0, top * 1.2 if top > 0 else 1)  # all zero (bitwise equal): an axis that shows it
     ax.set_title(title)
     ax.set_ylabel(ylabel)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    return _save(fig, path)
+
+
+def train_curves(log: list[dict], evals: list[dict], ttt_steps: int, loss: str, baseline: float, path=None):
+    """Training loss per TTT position (train_log.jsonl) and held-out acceptance per position (evals.jsonl)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.3))
+    for k in range(ttt_steps):
+        pts = [(r["step"], r[f"loss_pos{k}"]) for r in log if f"loss_pos{k}" in r]
+        if pts:
+            a.plot(*zip(*pts), lw=0.8, label=f"position {k}")
+        e = [(r["step"], r[f"heldout_acc_pos{k}"]) for r in evals if f"heldout_acc_pos{k}" in r]
+        if e:
+            b.plot(*zip(*e), "o-", ms=3, label=f"position {k}")
+    b.axhline(baseline, color="grey", ls=":", label="most frequent token (pos 0)")
+    a.set(xlabel="optimizer step", ylabel=f"training loss ({loss}, nats)", title="training loss per TTT position")
+    b.set(xlabel="optimizer step", ylabel="held-out acceptance through k (fraction)",
+          title="held-out acceptance per position")
+    a.legend(fontsize=6)
+    b.legend(fontsize=6)
+    fig.tight_layout()
     return _save(fig, path)
 
 

@@ -176,3 +176,28 @@ def load_model(path: Path, dtype: str = "float32", device: str = "cpu"):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     return tok, model
+
+
+def reply_problems(reply: str, expect_any=(), min_words: int = 8) -> list[str]:
+    """Why a generated reply is not coherent text (empty list: it is): too short, mostly not words, degenerate
+    repetition, or none of ``expect_any`` (lower-case stems of the prompt's topic) in it. A target with broken
+    weights, a wrong chat template or a wrong tokenizer fails at least one of these."""
+    import re
+    from collections import Counter
+
+    problems = []
+    words = [w.lower() for w in re.findall(r"[A-Za-z][A-Za-z']*", reply)]
+    if len(words) < min_words:
+        problems.append(f"only {len(words)} words (at least {min_words} expected)")
+    visible = [c for c in reply if not c.isspace()]
+    letters = sum(c.isalpha() for c in visible)
+    if visible and letters / len(visible) < 0.75:
+        problems.append(f"only {letters / len(visible):.0%} of its characters are letters")
+    grams = Counter(zip(words, words[1:], words[2:]))
+    if grams and grams.most_common(1)[0][1] > 3:
+        problems.append(f"repeats {' '.join(grams.most_common(1)[0][0])!r} {grams.most_common(1)[0][1]} times")
+    if len(words) >= min_words and len(set(words)) < 0.4 * len(words):
+        problems.append(f"{len(set(words))} distinct words in {len(words)}")
+    if expect_any and not any(stem.lower() in reply.lower() for stem in expect_any):
+        problems.append(f"mentions none of {list(expect_any)} (off the prompt's topic)")
+    return problems
