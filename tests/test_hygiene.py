@@ -51,3 +51,12 @@ def test_parameter_lines_parse_in_papermill():
         cell = next(c for c in json.loads(nb.read_text())["cells"] if "parameters" in c["metadata"].get("tags", []))
         bad = [ln for ln in "".join(cell["source"]).splitlines() if ln.count("=") > 1]
         assert not bad, (nb.name, bad)
+
+
+def test_readme_points_to_no_file_outside_the_repository():
+    """A user's checkout has only the repository: every path the README names must be inside it."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    outside = re.findall(r"\.\./[\w./-]+", text)
+    assert not outside, outside
