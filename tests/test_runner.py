@@ -88,6 +88,19 @@ def test_only_and_set(project):
     assert not (out / "b_fail").exists()
 
 
+def test_a_run_folder_continued_with_only_keeps_earlier_steps(project):
+    """gpu_record.sh runs one step per phase into one folder: the merged metrics, status and params must hold all."""
+    notebook(project / "notebooks" / "c_cube.ipynb", "n = 2", "import eagle3kit\neagle3kit.record(cube=n ** 3)")
+    p = write_params(project, "experiment: e\nsteps: [a_square, c_cube]\nnotebooks:\n  a_square: {n: 4}\n")
+    out = run(p, only=["a_square"], run_dir=project / "o3")
+    run(p, only=["c_cube"], run_dir=out)
+    assert json.loads((out / "metrics.json").read_text()) == {"square": 16, "label": "x", "cube": 8}
+    status = json.loads((out / "status.json").read_text())
+    assert status["a_square"]["state"] == status["c_cube"]["state"] == "ok"
+    text = (out / "params.yaml").read_text()
+    assert "a_square" in text and "c_cube" in text and "n: 4" in text
+
+
 def test_record_rejects_non_flat_values(tmp_path, monkeypatch):
     import eagle3kit
 

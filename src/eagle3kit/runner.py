@@ -103,9 +103,13 @@ def execute(plan: Plan, notebooks_dir: Path, run_dir: Path | None = None, cwd: P
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(run_dir or plan.output_root / plan.experiment / stamp).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    # a run folder continued step by step (--only) keeps what earlier invocations ran and recorded there
+    old = yaml.safe_load((run_dir / "params.yaml").read_text()) if (run_dir / "params.yaml").exists() else {}
+    old_status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
     (run_dir / "params.yaml").write_text(yaml.safe_dump(
-        {"experiment": plan.experiment, "steps": plan.steps, "notebooks": plan.per_step}, sort_keys=False))
-    status = {s: {"state": "pending"} for s in plan.steps}
+        {"experiment": plan.experiment, "steps": list(dict.fromkeys([*(old or {}).get("steps", []), *plan.steps])),
+         "notebooks": {**(old or {}).get("notebooks", {}), **plan.per_step}}, sort_keys=False))
+    status = {**old_status, **{s: {"state": "pending"} for s in plan.steps}}
     _write_json(run_dir / "status.json", status)
     previous = _raise_on_sigterm()
     try:
@@ -134,7 +138,6 @@ def _run_steps(plan: Plan, notebooks_dir: Path, run_dir: Path, cwd: Path | None,
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
 
-    merged: dict = {}
     for i, step in enumerate(plan.steps, 1):
         step_dir = run_dir / step
         step_dir.mkdir(exist_ok=True)
@@ -165,11 +168,20 @@ def _run_steps(plan: Plan, notebooks_dir: Path, run_dir: Path, cwd: Path | None,
             os.environ.pop(STEP_DIR_ENV, None)
         metrics_file = step_dir / "metrics.json"
         step_metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
-        merged.update(step_metrics)
-        _write_json(run_dir / "metrics.json", merged)
         status[step] = {"state": "ok", "seconds": round(time.time() - t0, 1), "metrics": len(step_metrics)}
         _write_json(run_dir / "status.json", status)
+        _write_json(run_dir / "metrics.json", merged_metrics(run_dir, status))
         print(f"[{i}/{len(plan.steps)}] {step}: ok in {time.time() - t0:.0f} s, {len(step_metrics)} metrics", flush=True)
+
+
+def merged_metrics(run_dir: Path, status: dict) -> dict:
+    """Every step's metrics that ended ok in this run folder (this invocation's and earlier ones'), in step order."""
+    merged: dict = {}
+    for step in sorted(status):  # step names sort in pipeline order (00_..., 01_...)
+        f = run_dir / step / "metrics.json"
+        if status[step].get("state") == "ok" and f.exists():
+            merged.update(json.loads(f.read_text()))
+    return merged
 
 
 def run(params_file, notebooks_dir=None, only=None, overrides=(), run_dir=None) -> Path:
