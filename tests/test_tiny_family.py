@@ -1,0 +1,65 @@
+"""The users' family on the CPU (#14): the tiny DeepSeek-V3 made here is what SGLang and transformers expect (MLA
+sizes SGLang's triton kernels assume, per-expert weight names, the config keys deepseek_v2.py reads), and the
+capture steps run on it end to end (params/cpu-deepseek-tiny.yaml: target, TP check over 2 gloo ranks, capture
+spec, extraction with the reference check)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def deepseek_tiny():
+    from eagle3kit.target import resolve_target
+
+    return resolve_target("embedded:deepseek-v3-tiny")
+
+
+def test_tiny_deepseek_has_the_family_geometry_and_sglangs_config_keys(deepseek_tiny):
+    cfg = json.loads((deepseek_tiny / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["model_type"] == "deepseek_v3"
+    assert cfg["kv_lora_rank"] == 512 and cfg["qk_rope_head_dim"] == 64  # SGLang's triton MLA kernels need these
+    assert cfg["first_k_dense_replace"] == 1 and cfg["n_routed_experts"] > cfg["num_experts_per_tok"] > 1
+    assert cfg["moe_layer_freq"] == 1 and cfg["topk_method"] == "noaux_tc" and cfg["scoring_func"] == "sigmoid"
+    with safe_open(str(deepseek_tiny / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in names)  # per expert, as SGLang loads
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+
+
+def test_transformers_loads_the_per_expert_files_into_the_same_network(deepseek_tiny):
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from eagle3kit.tiny import SEED
+
+    loaded = AutoModelForCausalLM.from_pretrained(deepseek_tiny, dtype=torch.bfloat16)
+    cfg = json.loads((deepseek_tiny / "config.json").read_text())
+    torch.manual_seed(SEED)
+    fresh = DeepseekV3ForCausalLM(DeepseekV3Config(**{k: v for k, v in cfg.items()
+                                                      if k in DeepseekV3Config().to_dict()})).to(torch.bfloat16)
+    a, b = fresh.state_dict(), loaded.state_dict()
+    assert set(a) == set(b)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert differ == [k for k in a if k.endswith("e_score_correction_bias")]  # set after init, on purpose
+
+
+def test_capture_steps_run_on_the_tiny_deepseek(tmp_path):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "run", str(ROOT / "params" / "cpu-deepseek-tiny.yaml"),
+                        "--run-dir", str(out)], capture_output=True, text=True, timeout=1500,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    status = json.loads((out / "status.json").read_text())
+    assert all(s["state"] == "ok" for s in status.values()) and len(status) == 4, status
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["target_model_type"] == "deepseek_v3" and m["tp_ranks"] == 2 and m["tp_check_run"]
+    assert m["tp_bitwise_equal_fraction"] == 1.0 and m["capture_mismatches"] == 0
+    assert m["negative_controls_caught"] == m["negative_controls_total"] == 5
+    assert m["extract_failed"] == 0 and m["verify_reference_failed"] == 0 and m["extract_verified"] > 0
