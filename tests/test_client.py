@@ -217,3 +217,41 @@ def test_a_given_server_that_would_write_elsewhere_is_refused_before_anything_is
             server.server_close()
     with pytest.raises(ServerError, match="does not answer /server_info.*Fix"):
         check_capture_server(url, expect, timeout=2)  # that server is gone now
+
+
+def test_a_capture_server_whose_hooks_fire_on_no_layer_is_refused_with_the_fix(tmp_path):
+    """The start-up probe (capture.server.probe_capture): the hook's end-of-forward error when no decoder-layer
+    hook fired (module names other than the template, e.g. a wrapper's language_model.model.layers) ends the
+    start with the fix, instead of every request waiting for captures that never come."""
+    import pytest
+
+    from eagle3kit.capture.server import PROBE_KEY, ServerError, decoder_layer_template, probe_capture
+
+    def bad(key):
+        atomic_write(tmp_path / f"{sample_name(key, 0)}.json", json.dumps(
+            {"status": "error", "key": key, "reason": "no output captured from decoder layers [1, 14]: their hooks did "
+             "not fire (module names differ from the layer_module template?)"}).encode())
+
+    server = stand_in_server(bad, 0.0)
+    try:
+        with pytest.raises(ServerError, match="did not capture a probe.*layer_module="):
+            probe_capture(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=10)
+    finally:
+        server.shutdown()
+    assert not list(tmp_path.glob(f"{PROBE_KEY}*"))  # the probe leaves nothing behind
+
+    def good(key):
+        (tmp_path / f"{sample_name(key, 0)}.safetensors").write_bytes(b"x")
+        write_marker(tmp_path, key, 0, {"status": "ok", "key": key, "n_tokens": 8})
+
+    server = stand_in_server(good, 0.0)
+    try:
+        probe_capture(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=10)
+    finally:
+        server.shutdown()
+    assert not list(tmp_path.glob(f"{PROBE_KEY}*"))
+    (tmp_path / "kimi").mkdir()
+    (tmp_path / "kimi" / "config.json").write_text('{"architectures": ["KimiK25ForConditionalGeneration"]}')
+    assert decoder_layer_template(tmp_path / "kimi") == "language_model.model.layers.{}"
+    (tmp_path / "kimi" / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"]}')
+    assert decoder_layer_template(tmp_path / "kimi") == "model.layers.{}"

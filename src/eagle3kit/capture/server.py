@@ -115,10 +115,53 @@ class SGLangServer:
     def __enter__(self):
         self.start()
         self.wait_healthy()
+        ranks = self.capture.get("ranks", "0") if self.capture is not None else None
+        if ranks in ("0", "all") or (isinstance(ranks, list) and 0 in ranks):  # rank 0 writes: probe it
+            try:
+                probe_capture(self.url, self.capture["capture_dir"])
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def __exit__(self, *exc):
         self.stop()
+
+
+WRAPPED_LAYERS = {  # architectures whose language model SGLang builds under another attribute (SGLang 0.5.14)
+    "KimiK25ForConditionalGeneration": "language_model.model.layers.{}",  # models/kimi_k25.py: language_model
+}
+
+
+def decoder_layer_template(model_path) -> str:
+    """The module name of decoder layer i in the model SGLang builds for ``model_path`` (its config's architecture)."""
+    import json
+
+    arch = (json.loads((Path(model_path) / "config.json").read_text()).get("architectures") or [""])[0]
+    return WRAPPED_LAYERS.get(arch, "model.layers.{}")
+
+
+PROBE_KEY = "e3k_probe"
+
+
+def probe_capture(url: str, capture_dir, timeout: float = 120) -> None:
+    """One 8-token capture right after start: a server whose hooks fire on no decoder layer (module names other than
+    the template) is refused here, with the fix, before any request of the user's waits on it."""
+    from eagle3kit.capture.client import CaptureClient
+
+    client = CaptureClient(url, capture_dir, timeout=timeout)
+    try:
+        m = client.capture(PROBE_KEY, [1, 2, 3, 4, 5, 6, 7, 8])
+    except Exception as e:  # noqa: BLE001 - no marker, an HTTP error: the same refusal
+        m = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+    finally:
+        time.sleep(0.5)  # other ranks' files of the probe, written just after rank 0's
+        for f in Path(capture_dir).glob(f"{PROBE_KEY}.rank*"):
+            f.unlink(missing_ok=True)
+    if m.get("status") != "ok":
+        raise ServerError(f"the capture server at {url} did not capture a probe request ({m.get('reason', m)}). "
+                          f"If its decoder layers are not named like the hooks' template, pass layer_module= "
+                          f"(see capture.server.WRAPPED_LAYERS); the server log says which modules exist")
 
 
 def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_normed=False, ranks="0",
@@ -126,6 +169,7 @@ def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_nor
     info = TargetInfo.read(Path(model_path))
     cfg = capture_config(capture_dir, aux_layer_ids, info.num_layers, final_normed=final_normed, ranks=ranks,
                          storage=storage, model=str(model_path))
+    kw.setdefault("layer_module", decoder_layer_template(model_path))
     return SGLangServer(model_path, port=port, capture=cfg, extra_args=extra_args, log_path=log_path, **kw)
 
 
