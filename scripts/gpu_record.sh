@@ -3,6 +3,7 @@
 # (executed notebooks, metrics, logs; no tensors), one archive per phase as soon as it ends.
 # usage: bash scripts/gpu_record.sh PHASE[,PHASE...] [runner or benchmark args]   phases: pipeline bench tests tp
 #   tp: the TP-replication check under SGLang --tp 2 (params/gpu-smollm2-tp2.yaml; needs 2 GPUs)
+#   family: notebooks 00-03 on the tiny DeepSeek-V3 and Kimi-K2.5 targets (params/gpu-{deepseek,kimi}-tiny.yaml)
 #   dp: extraction with regeneration on one server with --dp 2 (params/gpu-smollm2-dp2.yaml; needs 2 GPUs)
 #   data, train, serve: the drafter pipeline (params/gpu-smollm2-drafter.yaml) in /root/work, one phase per call
 #     data:  03_extract (regenerated, SGLang) + the controls' data: original replies (SGLang, second server),
@@ -101,6 +102,10 @@ for what in ${1//,/ }; do
     pipeline) $stop python3 -m eagle3kit.cli run params/gpu-smollm2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     tp) nvidia-smi topo -m >> "$rec/gpu.txt" 2>&1; env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' >> "$rec/gpu.txt"
         $stop python3 -m eagle3kit.cli run params/gpu-smollm2-tp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
+    family) rc=0; for f in deepseek kimi; do  # the users' family (#14): each in its own run folder
+          $stop python3 -m eagle3kit.cli run params/gpu-$f-tiny.yaml --run-dir "$rec/$f" "${@:2}" 2>&1 | tee "$rec/$f.log"
+          [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        done ;;
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"; rc=${PIPESTATUS[0]} ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;

@@ -63,3 +63,40 @@ def test_capture_steps_run_on_the_tiny_deepseek(tmp_path):
     assert m["tp_bitwise_equal_fraction"] == 1.0 and m["capture_mismatches"] == 0
     assert m["negative_controls_caught"] == m["negative_controls_total"] == 5
     assert m["extract_failed"] == 0 and m["verify_reference_failed"] == 0 and m["extract_verified"] > 0
+
+
+def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_path):
+    """Config layout and weight names as SGLang 0.5.14 loads kimi_k25 (its configs/kimi_k25.py and models/kimi_k25.py):
+    the language model under text_config / language_model., the decoder layers where capture hooks them, and the
+    reference engine runs the same network as the unwrapped DeepSeek."""
+    from eagle3kit.capture.server import decoder_layer_template
+    from eagle3kit.target import TargetInfo, load_model, resolve_target
+
+    kimi = resolve_target("embedded:kimi-k25-tiny")
+    cfg = json.loads((kimi / "config.json").read_text())
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"] and cfg["model_type"] == "kimi_k25"
+    assert cfg["text_config"]["architectures"] == ["DeepseekV3ForCausalLM"]  # deepseek_v2.py reads it
+    v = cfg["vision_config"]
+    assert v["vt_hidden_size"] == v["hidden_size"] and v["text_hidden_size"] == cfg["text_config"]["hidden_size"]
+    assert (v["hidden_size"] // v["num_attention_heads"]) % 4 == 0 and cfg["media_placeholder_token_id"] < cfg[
+        "text_config"]["vocab_size"]
+    with safe_open(str(kimi / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert all(n.startswith("language_model.") for n in names)
+    assert "language_model.model.layers.1.mlp.experts.0.gate_proj.weight" in names and "language_model.lm_head.weight" in names
+    assert decoder_layer_template(kimi) == "language_model.model.layers.{}"
+    assert decoder_layer_template(deepseek_tiny) == "model.layers.{}"
+    info = TargetInfo.read(kimi)
+    assert (info.num_layers, info.hidden_size) == (cfg["text_config"]["num_hidden_layers"], cfg["text_config"]["hidden_size"])
+    tok, wrapped = load_model(kimi)
+    _, plain = load_model(deepseek_tiny)
+    ids = tok("The same network inside the wrapper", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(wrapped(ids).logits, plain(ids).logits)
+    out = tmp_path / "kimi-data"
+    r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "extract", "--target", str(kimi), "--out", str(out),
+                        "--max-samples", "3", "--max-tokens", "96"], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout)
+    assert summary["written"] > 0 and summary["verify_problems"] == 0 and summary["layer_ids"][-1] == info.num_layers

@@ -26,6 +26,7 @@ EMBEDDED = {
                 "dirname": "smollm2-135m-instruct"},
     "smollm2-tp4": {"derive": "smollm2", "heads": 12, "kv_heads": 4, "dirname": "smollm2-135m-instruct-tp4"},
     "deepseek-v3-tiny": {"tiny": "deepseek_v3", "tokenizer": "smollm2", "dirname": "deepseek-v3-tiny"},
+    "kimi-k25-tiny": {"tiny": "kimi_k25", "tokenizer": "smollm2", "dirname": "kimi-k25-tiny"},
 }
 DEFAULT_TARGET = "embedded:smollm2"
 FORMAT_VERSION = 1
@@ -66,7 +67,7 @@ def materialize(name: str = "smollm2", cache: Path | None = None) -> Path:
         tok = materialize(spec["tokenizer"], cache)
         if _is_current(out) and json.loads((out / "eagle3kit.json").read_text()).get("tiny_version") == tiny.VERSION:
             return out
-        tmp = {"deepseek_v3": tiny.make_deepseek_v3}[spec["tiny"]](out, tok)
+        tmp = {"deepseek_v3": tiny.make_deepseek_v3, "kimi_k25": tiny.make_kimi_k25}[spec["tiny"]](out, tok)
         return _publish(tmp, out, {"source": f"eagle3kit.tiny.{spec['tiny']}", "seed": tiny.SEED,
                                    "tiny_version": tiny.VERSION})
     gguf = _gguf_path(spec)
@@ -185,9 +186,13 @@ def load_model(path: Path, dtype: str = "float32", device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from eagle3kit.tiny import load_language_model
+
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    return tok, model
+    model = load_language_model(path, getattr(torch, dtype))  # a multimodal wrapper's language model (Kimi-K2.5)
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return tok, model.to(device).eval()
 
 
 def reply_problems(reply: str, expect_any=(), min_words: int = 8) -> list[str]:

@@ -4,6 +4,13 @@ default, for the code paths a 1 T-parameter Kimi-K2.5 takes (#14):
 ``embedded:deepseek-v3-tiny``  ``DeepseekV3ForCausalLM``: MLA with DeepSeek's own ``kv_lora_rank`` 512 and rope
                                head 64 (SGLang's triton MLA kernels assume them), a dense first layer, then MoE layers
                                (8 routed experts, top 2, one shared expert, sigmoid scores with a correction bias).
+``embedded:kimi-k25-tiny``     the same language model inside Kimi-K2.5's wrapper as SGLang 0.5.14 loads it
+                               (``models/kimi_k25.py``, ``configs/kimi_k25.py``): ``KimiK25ForConditionalGeneration``,
+                               model_type ``kimi_k25``, the DeepSeek-V3 config under ``text_config`` (with its own
+                               ``architectures``, which deepseek_v2.py reads), a minimal ``vision_config``, weights
+                               under ``language_model.`` (decoder layers at ``language_model.model.layers.{i}``). No
+                               vision weights: text never reaches the tower. transformers has no class for it; the
+                               reference engine runs its language model (``load_language_model``).
 
 Tokenizer and chat template are the embedded SmolLM2's (its vocabulary sizes the embeddings). Weights are saved per
 expert (``mlp.experts.{e}.gate_proj.weight`` ...), as DeepSeek's checkpoints are and SGLang loads them, and
@@ -74,3 +81,78 @@ def make_deepseek_v3(out: Path, tokenizer_dir: Path) -> Path:
         if (Path(tokenizer_dir) / f).exists():
             shutil.copy2(Path(tokenizer_dir) / f, tmp / f)
     return tmp
+
+
+KIMI_VISION = {  # the fields SGLang's vision tower reads, tiny (configs/kimi_k25.py, models/kimi_k25.py)
+    "hidden_size": 32, "vt_hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+    "patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 4,
+    "merge_kernel_size": [2, 2], "pos_emb_type": "divided_fixed", "video_attn_type": "spatial_temporal"}
+KIMI_PREFIX = "language_model."
+
+
+def make_kimi_k25(out: Path, tokenizer_dir: Path) -> Path:
+    """The tiny DeepSeek-V3 wrapped as Kimi-K2.5 (config layout and weight names of SGLang 0.5.14's loader)."""
+    from safetensors.torch import load_file, save_file
+
+    inner = make_deepseek_v3(out.parent / f".{out.name}-lm", tokenizer_dir)
+    try:
+        text = json.loads((inner / "config.json").read_text())
+        weights = load_file(str(inner / "model.safetensors"))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        save_file({KIMI_PREFIX + k: v for k, v in weights.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        conf = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+                "vision_config": {**KIMI_VISION, "text_hidden_size": text["hidden_size"]},
+                "media_placeholder_token_id": text["vocab_size"] - 1, "pad_token_id": 0, "ignore_index": -100,
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+        (tmp / "config.json").write_text(json.dumps(conf, indent=2))
+        for f in inner.iterdir():
+            if f.name not in ("config.json", "model.safetensors"):
+                shutil.copy2(f, tmp / f.name)
+        return tmp
+    finally:
+        shutil.rmtree(inner, ignore_errors=True)
+
+
+def load_language_model(path: Path, dtype):
+    """transformers' model of a wrapped target's language model (Kimi-K2.5: ``text_config`` and the weights under
+    ``language_model.``), or None when ``path`` is not a wrapper this module knows."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = json.loads((Path(path) / "config.json").read_text())
+    if (conf.get("architectures") or [""])[0] != "KimiK25ForConditionalGeneration":
+        return None
+    text = dict(conf["text_config"])
+    cfg = AutoConfig.for_model(text.pop("model_type"), **{k: v for k, v in text.items() if k != "architectures"})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # then every weight from the files (checked below)
+    state = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update({k[len(KIMI_PREFIX):]: v for k, v in load_file(str(f)).items() if k.startswith(KIMI_PREFIX)})
+    fused = fuse_experts(state)
+    missing, unexpected = model.load_state_dict(fused, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: the language model's weights do not fit: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    return model.to(dtype).eval()
+
+
+def fuse_experts(state: dict) -> dict:
+    """The inverse of ``per_expert``: per-expert Linear weights as transformers 5's fused expert tensors."""
+    import re
+
+    import torch
+
+    out, experts = {}, {}
+    for name, w in state.items():
+        m = re.match(r"(.*mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = w
+        else:
+            out[name] = w
+    for base, by_e in experts.items():
+        es = [by_e[e] for e in sorted(by_e)]
+        out[base + "gate_up_proj"] = torch.stack([torch.cat([e["gate"], e["up"]]) for e in es])
+        out[base + "down_proj"] = torch.stack([e["down"] for e in es])
+    return out
