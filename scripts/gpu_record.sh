@@ -10,8 +10,9 @@
 #            states from transformers (same conversations), fp8 and post-norm data sets derived from the main one
 #     train: 04_train (main) + the controls trained with the same settings, all at once on the one GPU
 #     serve: 05_acceptance online (every drafter and setting served by SGLang) + 06_compare
-#   faults: tests/test_gpu_faults.py (#12: 256 requests in flight up to the context limit, every token checked; kill -9 of
-#     the server mid-extraction and resume), figures in the phase's metrics.json
+#   faults: tests/test_gpu_faults.py (#12: 256 requests in flight up to the context limit, every token checked, the
+#     check's negative controls on them; kill -9 of the server mid-extraction and resume) and the bad-input trial
+#     (eagle3kit trial), figures in the phase's metrics.json
 #   trainbench: benchmarks/train_throughput.py on the data phase's data set (eagle3kit's trainer alone on the GPU, and
 #     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free)
 #   E3K_TRAIN_MINUTES: the trainings' wall-clock budget (default 6); E3K_MAX_SAMPLES (2000); E3K_DATA_CONTROLS and
@@ -110,7 +111,11 @@ for what in ${1//,/ }; do
     bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"; rc=${PIPESTATUS[0]} ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     faults) E3K_TEST_OUT="$rec" python3 -m pytest -m gpu -v -p no:cacheprovider --basetemp "$rec/tmp" tests/test_gpu_faults.py 2>&1 \
-        | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
+        | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]}
+        rm -rf "$rec/tmp"  # the tests' captures (GBs)
+        # the bad-input trial on this machine too (eagle3kit.trial; CPU work), its figures merged into metrics.json
+        python3 -m eagle3kit.cli trial --folder /root/trial --metrics "$rec/metrics.json" 2>&1 | tee "$rec/trial.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1; cp /root/trial/trial.jsonl "$rec/" ;;
     drafter-test) E3K_TEST_OUT="$rec" python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_drafter.py 2>&1 \
         | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     data|train|serve) drafter_phase "$what" "$rec"; rc=$? ;;

@@ -81,6 +81,29 @@ def test_verify_catches_corruption_and_missing_files(tmp_path, extracted):
     assert rep.ok == len(entries) - 2
 
 
+def test_a_resume_repairs_what_fails_verification(tmp_path, extracted, samples, reference, target_path):
+    """A sample whose bytes changed (a flipped bit), one whose file has another size, and a garbled manifest line:
+    verify names each; a resume with the same settings captures those two samples again, drops the garbled line,
+    leaves every other sample's file as it was, and the data set verifies."""
+    src, _ = extracted
+    out, entries = _copy_with_a_flipped_byte(src, tmp_path / "copy", 0, -10, 0xFF)
+    cut = out / "samples" / entries[1]["file"]
+    cut.write_bytes(cut.read_bytes()[:-4])
+    m = out / "manifest.jsonl"
+    lines = m.read_text().splitlines(keepends=True)
+    m.write_text("".join(lines[:3]) + '{"key": "garbled", \n' + "".join(lines[3:]))
+    rep = verify(out)
+    problems = {p["key"]: p["problem"] for p in rep.problems}
+    assert set(problems) == {entries[0]["key"], entries[1]["key"], "manifest.jsonl:4"}, problems
+    kept = {e["file"]: (out / "samples" / e["file"]).read_bytes() for e in entries[2:]}
+    again = extract(samples, out, ReferenceBackend(reference), settings(target_path), progress=False)
+    assert again["repaired"] == 2 and again["written"] == 2 and again["manifest_lines_dropped"] == 1
+    assert verify(out).passed and verify(out).ok == len(samples)
+    assert all((out / "samples" / f).read_bytes() == b for f, b in kept.items())
+    assert len(m.read_text().splitlines()) == len(samples)  # one line per sample: the manifest was compacted
+    assert extract(samples, out, ReferenceBackend(reference), settings(target_path), progress=False)["repaired"] == 0
+
+
 def test_preflight_refuses_what_does_not_fit(tmp_path, samples, monkeypatch):
     import shutil
     from collections import namedtuple
@@ -174,7 +197,11 @@ def test_an_export_of_nothing_fails_and_leaves_its_destination_empty(tmp_path, e
     for fn, dest in ((to_speculators, tmp_path / "spec"), (to_specforge, tmp_path / "sf")):
         with pytest.raises(StoreError, match="every sample failed its check"):
             fn(bad, dest, split="all")
-        assert not any(dest.iterdir())  # a rerun after the fix is not refused as "not empty"
+        assert not dest.exists()  # nothing left: a rerun after the fix is not refused as "not empty"
+    (tmp_path / "made").mkdir()  # a folder the user made stays, empty
+    with pytest.raises(StoreError, match="every sample failed its check"):
+        to_speculators(bad, tmp_path / "made", split="all")
+    assert (tmp_path / "made").is_dir() and not any((tmp_path / "made").iterdir())
 
 
 def test_resume_after_a_real_kill(tmp_path, target_path):

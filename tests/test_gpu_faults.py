@@ -58,7 +58,8 @@ def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokeni
     from eagle3kit.capture.client import CaptureClient
     from eagle3kit.capture.reference import ReferenceEngine
     from eagle3kit.capture.server import capture_server
-    from eagle3kit.spec import calibrate_bounds, compare_to_reference
+    from eagle3kit.capture.format import read_sample
+    from eagle3kit.spec import calibrate_bounds, compare_to_reference, negative_controls
 
     context = json.loads((Path(target_path) / "config.json").read_text())["max_position_embeddings"]
     prompts = long_prompts(tokenizer, LOAD_REQUESTS, context - 8, seed=11)
@@ -78,6 +79,12 @@ def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokeni
     bounds = calibrate_bounds(ref, dict(list(ok.items())[:8]))
     rows, mismatched, worst = [], set(), 0.0
     keys = list(ok)
+    caught = {}  # the check's negative controls on the load's own captures: each mistake made from 8 of them
+    for k0, k1 in zip(keys[:8], keys[1:9]):
+        cap0, _ = read_sample(Path(s.capture["capture_dir"]) / f"{k0}.rank0.safetensors")
+        cap1, _ = read_sample(Path(s.capture["capture_dir"]) / f"{k1}.rank0.safetensors")
+        for name, failed in negative_controls(cap0, cap1, ok[k0], ref, ref.hidden(ok[k0]), bounds).items():
+            caught[f"{k0}: {name}"] = bool(failed)
     for a in range(0, len(keys), 16):  # a slice at a time: the captures of 256 long prompts are GBs
         part = {k: ok[k] for k in keys[a:a + 16]}
         for r in compare_to_reference(s.capture["capture_dir"], part, ref, bounds):
@@ -90,9 +97,11 @@ def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokeni
     _record(load_requests=len(prompts), load_in_flight=LOAD_REQUESTS, load_tokens=sum(lengths),
             load_max_prompt_tokens=max(lengths), load_min_prompt_tokens=min(lengths), load_context_limit=context,
             load_seconds=round(seconds, 1), load_missing=len(missing), load_mismatches=len(mismatched),
+            negative_controls_total=len(caught), negative_controls_caught=sum(caught.values()),
             load_worst_token_rel_err=worst, load_bounds={str(k): v for k, v in bounds.items()}, load_hook_errors=status["counts"].get("errors", 0))
     assert not missing, [m for m in markers if m["status"] != "ok"][:5]
     assert not mismatched, rows[:5]
+    assert all(caught.values()), [k for k, v in caught.items() if not v]
     assert max(lengths) > context // 2 and status["counts"].get("errors", 0) == 0
 
 

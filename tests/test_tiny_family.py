@@ -100,3 +100,30 @@ def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_p
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout)
     assert summary["written"] > 0 and summary["verify_problems"] == 0 and summary["layer_ids"][-1] == info.num_layers
+
+
+def test_tiny_kimi_ships_the_processor_sglang_builds_on():
+    """SGLang 0.5.14 treats Kimi-K2.5 as multimodal (no flag turns it off) and its KimiK2_5VLImageProcessor reads
+    ``.tokenizer``, ``.image_processor`` and ``.media_processor.media_proc_cfg`` of what AutoProcessor returns
+    (multimodal/processors/kimi_k25.py). Without the folder's processor, AutoProcessor answers with the bare tokenizer
+    and SGLang's constructor fails; with it (trust_remote_code, as Kimi-K2.5's own), every field is there and text
+    is tokenized as by the tokenizer."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from eagle3kit.target import resolve_target
+
+    kimi = resolve_target("embedded:kimi-k25-tiny")
+    proc = AutoProcessor.from_pretrained(kimi, trust_remote_code=True)
+    cfg = proc.media_processor.media_proc_cfg
+    assert {"patch_size", "merge_kernel_size", "in_patch_limit", "patch_limit_on_one_side", "image_mean",
+            "image_std"} <= set(cfg) and isinstance(cfg["merge_kernel_size"], int)
+    assert hasattr(proc, "image_processor") and proc.chat_template
+    tok = AutoTokenizer.from_pretrained(kimi)
+    assert proc("the sea", return_tensors=None)["input_ids"] == tok("the sea")["input_ids"]
+    with pytest.raises(NotImplementedError, match="text-only"):
+        proc("an image", images=[object()])
+    try:  # without trust_remote_code (SGLang without --trust-remote-code): no processor with the media fields
+        bare = AutoProcessor.from_pretrained(kimi)
+    except (OSError, ValueError):
+        bare = None
+    assert not hasattr(bare, "media_processor")

@@ -1,5 +1,5 @@
 """``eagle3kit`` command line: run (the notebook pipeline), extract, verify, derive, train, export, doctor, compare,
-materialize."""
+trial (of bad input), materialize."""
 from __future__ import annotations
 
 import argparse
@@ -136,6 +136,21 @@ def _doctor(a):
     return 0 if d.ok else 1
 
 
+def _trial(a):
+    from eagle3kit.trial import CASES, run_trial
+
+    cases = [c for c in CASES if not a.only or any(w in c.name for w in a.only)]
+    m = run_trial(a.folder, cases)
+    paths = [Path(a.folder) / "metrics.json"] + ([Path(a.metrics)] if a.metrics else [])
+    for path in paths:
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**old, **m}, indent=1, sort_keys=True))
+    print(f"{m['bad_inputs_handled']} of {m['bad_inputs_tried']} bad inputs handled (refused with the input named: "
+          f"{m['bad_inputs_refused']}, counted and reported: {m['bad_inputs_counted']})"
+          + (f"; NOT handled: {m['bad_inputs_unhandled']}" if m["bad_inputs_unhandled"] else ""))
+    return 0 if not m["bad_inputs_unhandled"] else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="eagle3kit", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -212,6 +227,11 @@ def main(argv=None) -> int:
     d.add_argument("--drafter-config", help="a drafter config.json, with --capture-layers")
     d.add_argument("--data", help="also check a captured data set's final slot (pre-norm)")
 
+    b = sub.add_parser("trial", help="the bad-input trial: every kind of user mistake run through this command line")
+    b.add_argument("--folder", default="outputs/trial", help="where its inputs are made and the cases run")
+    b.add_argument("--metrics", help="also merge the figures into this metrics.json (a record's)")
+    b.add_argument("--only", nargs="+", metavar="WORD", help="only the cases whose name holds one of these words")
+
     m = sub.add_parser("materialize", help="write the embedded model as a Hugging Face directory; print its path")
     m.add_argument("name", nargs="?", default="smollm2")
 
@@ -236,6 +256,8 @@ def main(argv=None) -> int:
 
             print(materialize(a.name))
             return 0
+        if a.cmd == "trial":
+            return _trial(a)
         return {"extract": _extract, "verify": _verify, "export": _export, "doctor": _doctor, "derive": _derive,
                 "train": _train, "compare": _compare}[a.cmd](a)
     except (ParamsError, StepFailed, ValueError, RuntimeError, OSError) as err:  # a user's mistake: no traceback

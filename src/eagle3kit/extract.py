@@ -17,7 +17,8 @@ from pathlib import Path
 from eagle3kit.capture.format import STORAGES
 from eagle3kit.data.conversations import load_conversations, split_of
 from eagle3kit.data.render import mask_spans, render
-from eagle3kit.store import ManifestWriter, StoreError, check_settings, read_manifest, token_sha256
+from eagle3kit.store import (ManifestWriter, StoreError, check_settings, compact_manifest, failing_entries,
+                             read_manifest, token_sha256)
 
 
 class PreflightError(RuntimeError):
@@ -177,20 +178,30 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
     check_settings(out_dir, settings)
     samples_dir = out_dir / "samples"
     samples_dir.mkdir(parents=True, exist_ok=True)
-    done = read_manifest(out_dir)
+    malformed: list = []
+    done = read_manifest(out_dir, malformed)
     by_key = {s.key: s for s in samples}
     for key, e in done.items():
         s = by_key.get(key)
         if s is not None and e["token_sha256"] != token_sha256(s.input_ids):
             raise StoreError(f"sample {key} in {out_dir} was made from other tokens (the data or template changed)."
                              f" Fix: use a new output directory; nothing was changed")
-    todo = [s for s in samples if s.key not in done or not (samples_dir / done[s.key]["file"]).exists()]
+    repair = failing_entries(out_dir, {k: e for k, e in done.items() if k in by_key}) if done else {}
+    if repair or malformed:  # a resume repairs: failing samples are captured again, garbled lines dropped
+        for key, why in list(repair.items())[:5]:
+            print(f"[extract] capturing {key} again: {why}", flush=True)
+        print(f"[extract] {len(repair)} samples fail verification and are captured again; {len(malformed)} "
+              f"malformed manifest lines dropped", flush=True)
+        compact_manifest(out_dir, drop=set(repair))
+        done = {k: e for k, e in done.items() if k not in repair}
+    todo = [s for s in samples if s.key not in done]
     est = preflight(todo, len(settings["layer_ids"]), settings["hidden_size"], settings["storage"], out_dir,
                     settings.get("final_normed", False))
     totals = {"written": 0, "failed": 0, "tokens": 0, "bytes": 0}
     failures = []
     if not todo:
-        return {"samples": len(samples), "already_done": len(samples), **totals, "seconds": 0.0,
+        return {"samples": len(samples), "already_done": len(samples), "repaired": 0,
+                "manifest_lines_dropped": len(malformed), **totals, "seconds": 0.0,
                 "tokens_per_s": 0.0, "startup_seconds": 0.0, "estimated_bytes": 0, "failures": []}
     t_start = time.time()
     backend.prepare()
@@ -245,7 +256,8 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
         backend.close()
     if full:
         raise _disk_full_error(out_dir, todo, totals, failures)
-    return {"samples": len(samples), "already_done": len(samples) - len(todo), **totals, "seconds": seconds,
+    return {"samples": len(samples), "already_done": len(samples) - len(todo), "repaired": len(repair),
+            "manifest_lines_dropped": len(malformed), **totals, "seconds": seconds,
             "tokens_per_s": totals["tokens"] / seconds if seconds > 0 else 0.0, "startup_seconds": t0 - t_start,
             "estimated_bytes": est["estimated_bytes"], "failures": failures}
 

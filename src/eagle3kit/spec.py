@@ -126,6 +126,15 @@ def corruptions(cap: dict, other: dict, candidates: dict, layer_ids: list[int], 
     return out
 
 
+def negative_controls(cap: dict, other: dict, ids, reference, ref: dict, bounds: dict) -> dict:
+    """Each of ``corruptions`` of the real capture ``cap`` (tokens ``ids``; ``other``: another request's capture;
+    ``ref``: the reference's tensors for ``ids``) through ``check_sample``: mistake -> the rows of the slots that
+    failed (an empty list is a mistake the check let through)."""
+    cands = all_reference_states(reference, ids)
+    return {name: [r for r in check_sample(bad, ids, ref, reference.layer_ids, bounds) if not r["ok"]]
+            for name, bad in corruptions(cap, other, cands, reference.layer_ids).items()}
+
+
 def all_reference_states(reference, ids) -> dict:
     """Every candidate state of the reference for a prompt: input_of_layer 0..L-1, final pre-norm, post-norm."""
     ref = reference.model

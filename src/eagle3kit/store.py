@@ -34,20 +34,69 @@ def token_sha256(token_ids) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
 
 
-def read_manifest(out_dir: Path) -> dict[str, dict]:
-    """key -> last manifest line for it; a torn last line (crash while appending) is ignored."""
+def read_manifest(out_dir: Path, malformed: list | None = None) -> dict[str, dict]:
+    """key -> last manifest line for it. A line that is not a sample's entry is left out (its sample counts as not
+    done, so a resume captures it again); a torn last line is what a crash while appending leaves, any other one is
+    added to ``malformed`` as (line number, text) when a list is given (``verify`` reports them)."""
     path = Path(out_dir) / MANIFEST
     entries: dict[str, dict] = {}
     if not path.exists():
         return entries
     with open(path) as f:
-        for line in f:
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        lines = f.readlines()
+    for n, line in enumerate(lines, 1):
+        try:
+            e = json.loads(line)
             entries[e["key"]] = e
+        except (json.JSONDecodeError, KeyError, TypeError):
+            torn_tail = n == len(lines) and not line.endswith("\n")
+            if malformed is not None and not torn_tail:
+                malformed.append((n, line.strip()[:80]))
     return entries
+
+
+def failing_entries(out_dir: Path, entries: dict, threads: int = 8) -> dict[str, str]:
+    """key -> why, for the manifest ``entries`` whose file is missing, has another size or checksum than its line
+    says: what a resume captures again. Files are hashed in ``threads`` threads (hashlib releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def why(item):
+        key, e = item
+        path = Path(out_dir) / "samples" / e["file"]
+        try:
+            if path.stat().st_size != e["bytes"]:
+                return key, f"{path.name} has {path.stat().st_size} bytes, its manifest line says {e['bytes']}"
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    h.update(block)
+            return key, None if h.hexdigest() == e["sha256"] else f"{path.name}: checksum differs from the manifest"
+        except FileNotFoundError:
+            return key, f"{path.name} is missing"
+    with ThreadPoolExecutor(threads) as pool:
+        return {k: w for k, w in pool.map(why, entries.items()) if w}
+
+
+def compact_manifest(out_dir: Path, drop: set = frozenset()) -> int:
+    """Rewrite the manifest with the last good line of each key not in ``drop`` (atomically, fsynced): what a resume
+    does when lines are malformed or samples are to be captured again. Returns the lines removed."""
+    path = Path(out_dir) / MANIFEST
+    malformed: list = []
+    entries = read_manifest(out_dir, malformed)
+    keep = [e for k, e in sorted(entries.items(), key=lambda kv: kv[1]["index"]) if k not in drop]
+    before = sum(1 for _ in open(path))
+    tmp = path.with_name(f".{MANIFEST}.tmp")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return before - len(keep)
 
 
 class ManifestWriter:
@@ -180,17 +229,27 @@ class VerifyReport:
         return self.checked > 0 and not self.problems
 
 
-def verify(out_dir, expected_states: int | None = None, hidden_size: int | None = None) -> VerifyReport:
-    """Every manifest entry: file present, checksum, token ids, length, layer count, hidden size, finite values."""
+def require_dataset(out_dir) -> Path:
+    """``out_dir`` as a Path, or StoreError naming it when it is not a data set ``eagle3kit extract`` wrote."""
     out_dir = Path(out_dir)
     if not (out_dir / "manifest.jsonl").exists() and not (out_dir / SETTINGS).exists():
         raise StoreError(f"{out_dir} is not an eagle3kit data set (no manifest.jsonl, no {SETTINGS}); give the --out "
                          f"folder of `eagle3kit extract`")
+    return out_dir
+
+
+def verify(out_dir, expected_states: int | None = None, hidden_size: int | None = None) -> VerifyReport:
+    """Every manifest entry: file present, checksum, token ids, length, layer count, hidden size, finite values."""
+    out_dir = require_dataset(out_dir)
     settings = json.loads((out_dir / SETTINGS).read_text()) if (out_dir / SETTINGS).exists() else {}
     expected_states = expected_states or (len(settings["layer_ids"]) if "layer_ids" in settings else None)
     hidden_size = hidden_size or settings.get("hidden_size")
-    rep = VerifyReport()
-    for key, e in sorted(read_manifest(out_dir).items(), key=lambda kv: kv[1]["index"]):
+    rep, malformed = VerifyReport(), []
+    entries = read_manifest(out_dir, malformed)
+    for n, text in malformed:  # a done sample's line garbled: its sample is not in the data set until recaptured
+        rep.problems.append({"key": f"{MANIFEST}:{n}", "problem": f"not a sample entry ({text!r}); a resume of the "
+                             f"extraction captures what it named again"})
+    for key, e in sorted(entries.items(), key=lambda kv: kv[1]["index"]):
         rep.checked += 1
 
         def bad(problem):
@@ -225,6 +284,31 @@ def _file_metadata(blob: bytes) -> dict:
     return json.loads(blob[8:8 + n]).get("__metadata__", {})
 
 
+def leaves_no_partial_dest(fn):
+    """For ``fn(src, dest, ...)`` writing a new folder ``dest``: when it raises, what it wrote there is removed (the
+    folder too, if it made it), so a refused or failed run leaves ``dest`` as it was and a rerun after the fix finds
+    it empty."""
+    import functools
+    import shutil
+
+    @functools.wraps(fn)
+    def wrapper(src, dest, *args, **kwargs):
+        dest_path = Path(dest)
+        existed = dest_path.exists()
+        before = set(dest_path.iterdir()) if existed and dest_path.is_dir() else set()
+        try:
+            return fn(src, dest, *args, **kwargs)
+        except BaseException:
+            if not existed:
+                shutil.rmtree(dest_path, ignore_errors=True)
+            elif dest_path.is_dir():
+                for p in set(dest_path.iterdir()) - before:
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            raise
+    return wrapper
+
+
+@leaves_no_partial_dest
 def derive(src, dest, storage: str | None = None, final_slot: str | None = None, keep_final_normed: bool = False) -> dict:
     """A new data set from ``src`` with every sample re-encoded: ``storage`` (e.g. fp8 from bf16 captures: the same
     ``encode`` the capture writer uses) and/or ``final_slot="post_norm"`` (the last slot replaced by the final norm's
@@ -232,7 +316,11 @@ def derive(src, dest, storage: str | None = None, final_slot: str | None = None,
     with ``final_normed``). Splits, keys and loss spans are kept; ``dest`` must be new."""
     from eagle3kit.capture.format import write_sample
 
-    src, dest = Path(src), Path(dest)
+    src, dest = require_dataset(src), Path(dest)
+    if not (src / SETTINGS).exists():
+        raise StoreError(f"{src} has no {SETTINGS} (a data set of an older eagle3kit?): extract it again to derive")
+    if dest.exists() and not dest.is_dir():
+        raise StoreError(f"{dest} is a file: derive into a new folder (nothing was changed)")
     if dest.exists() and any(dest.iterdir()):
         raise StoreError(f"{dest} is not empty: derive into a new folder (nothing was changed)")
     settings = json.loads((src / SETTINGS).read_text())
@@ -250,7 +338,12 @@ def derive(src, dest, storage: str | None = None, final_slot: str | None = None,
     n = 0
     try:
         for e in sorted(read_manifest(src).values(), key=lambda e: e["index"]):
-            tensors, meta = read_sample(src / "samples" / e["file"])
+            try:  # a sample that fails its checksum never becomes data of the new set
+                tensors, meta = read_checked(src, e)
+            except StoreError as err:
+                raise StoreError(f"{src}: sample {e['key']}: {err}; nothing of it was derived. Fix: `eagle3kit "
+                                 f"extract` with the same settings into {src} captures failing samples again "
+                                 f"(`eagle3kit verify {src}` lists them), then derive into a new folder") from None
             if final_slot == "post_norm":
                 hs = tensors["hidden_states"].clone()
                 hs[:, -1] = tensors["final_normed"]

@@ -156,6 +156,13 @@ def resolve_target(target: str | os.PathLike = DEFAULT_TARGET) -> Path:
     if not (path / "config.json").exists():
         raise TargetError(f"target {t!r} is neither 'embedded:<name>' ({sorted(EMBEDDED)}) nor a model directory "
                           f"with config.json: pass a local Hugging Face model directory")
+    files = {f.name for f in path.iterdir()}
+    if not files & {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model"}:
+        raise TargetError(f"target {t}: no tokenizer files (tokenizer.json, tokenizer_config.json, ...) beside its "
+                          f"config.json. Fix: copy the model's tokenizer into {t} (save_pretrained of its tokenizer)")
+    if not any(f.endswith((".safetensors", ".bin", ".gguf")) for f in files):
+        raise TargetError(f"target {t}: no weights (*.safetensors or *.bin) beside its config.json. Fix: download "
+                          f"the whole model into {t}, not only its configuration")
     return path
 
 

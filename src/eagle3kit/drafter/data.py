@@ -4,8 +4,8 @@ Sources (``open_source``):
   * an eagle3kit data set (``eagle3kit extract``; bf16 or fp8 storage: fp8 is decoded to bf16 on read), by split
   * a speculators export (``eagle3kit export speculators`` or speculators' own data generation): the Arrow data
     set's input_ids/loss_mask and ``hidden_states/hs_{i}.safetensors``
-Every sample is checked as it is read (token ids against the manifest's checksum or the Arrow row, shapes, finite
-values); a bad one is skipped and counted, never trained on.
+Every sample is checked as it is read (the file's sha256 and its token ids against the manifest, or the Arrow row;
+shapes, finite values); a bad one is skipped and counted, never trained on.
 
 Memory stays bounded whatever the data set's size: the packing plan needs only the manifest's lengths; samples are
 read by DataLoader worker processes a batch at a time (``prefetch`` batches ahead per worker).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.store import SETTINGS, StoreError, read_manifest, token_sha256
+from eagle3kit.store import SETTINGS, StoreError, read_manifest
 
 
 class SampleError(ValueError):
@@ -63,16 +63,15 @@ class CaptureSource:
                           s.get("final_slot", "pre_norm") == "pre_norm")
 
     def load(self, i: int) -> dict:
-        from eagle3kit.store import load_entry
+        from eagle3kit.store import load_checked
 
         e = self.entries[i]
-        try:
-            s = load_entry(self.root, e)
+        try:  # the file's checksum and its token ids against the manifest: a flipped bit is never trained on
+            return load_checked(self.root, e)
+        except StoreError as ex:
+            raise SampleError(f"{e['file']}: {ex}") from None
         except Exception as ex:  # noqa: BLE001 - unreadable file: counted by the caller
             raise SampleError(f"{e['file']}: unreadable ({type(ex).__name__}: {ex})") from None
-        if token_sha256(s["token_ids"]) != e["token_sha256"]:
-            raise SampleError(f"{e['file']}: token ids differ from the manifest's")
-        return s
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         from safetensors import safe_open

@@ -131,7 +131,11 @@ def load_sglang_export(path, target_path=None, attn_implementation: str = "sdpa"
     cfg = json.loads((path / "config.json").read_text())
     meta = json.loads((path / "eagle3kit.json").read_text()) if (path / "eagle3kit.json").exists() else {}
     target_path = Path(target_path or meta.get("target") or "")
-    tensors = load_file(str(path / "model.safetensors"))
+    try:
+        tensors = load_file(str(path / "model.safetensors"))
+    except Exception as e:  # noqa: BLE001 - a cut or corrupt file: the user's input, named with the fix
+        raise ExportError(f"{path / 'model.safetensors'}: not a readable safetensors file ({type(e).__name__}: {e}). "
+                          f"Fix: export another checkpoint (--checkpoint final) or train again") from None
     want = set(sglang_names(len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), bool(cfg.get("fc_norm"))))
     missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want - {"t2d"})
     if missing or extra:

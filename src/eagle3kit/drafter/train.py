@@ -30,11 +30,26 @@ from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
 from eagle3kit.drafter.objective import LOSSES, ChainCounts, chain_count_tensor, step_loss, teacher, valid_rows
 
-RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "eval_every", "max_minutes"}  # may differ on a resume
+RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "eval_every", "max_minutes", "out_dir"}  # may differ
+# on a resume (out_dir: a run folder moved or renamed resumes)
 
 
 class TrainError(ValueError):
     pass
+
+
+def _fits(value, annotation: str) -> bool:
+    """Does ``value`` (as YAML or JSON gave it) fit a TrainConfig field annotated ``annotation``? (ints fit floats)"""
+    kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list[int]": (list,)}
+    for part in str(annotation).split("|"):
+        part = part.strip()
+        if part == "None" and value is None:
+            return True
+        ok = kinds.get(part)
+        if ok and isinstance(value, ok) and (part == "bool" or not isinstance(value, bool)) and \
+                (part != "list[int]" or all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            return True
+    return False
 
 
 @dataclass
@@ -99,6 +114,9 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise TrainError(f"unknown train settings {unknown}; known: {sorted(known)}")
+        for f in fields(cls):  # a value of the wrong type is a user's mistake, named before any comparison trips on it
+            if f.name in d and not _fits(d[f.name], f.type):
+                raise TrainError(f"train setting {f.name}={d[f.name]!r}: expected {f.type}")
         return cls(**d).validate()
 
 
@@ -384,7 +402,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     run = setup(cfg, dist)
-    if dist.rank == 0:
+    if dist.rank == 0 and not (out / "train.json").exists():  # a resume found the same settings there
         out.mkdir(parents=True, exist_ok=True)
         (out / "train.json").write_text(json.dumps(_settings(cfg), indent=1, sort_keys=True))
     lengths = [run.train_src.length(i) for i in range(len(run.train_src))]

@@ -1,0 +1,342 @@
+"""The bad-input trial (#12): every kind of mistake a user can make, run through the real command line.
+
+``run_trial(folder)`` makes real inputs in ``folder`` (conversation files, a data set captured by the reference engine
+from the embedded target, a drafter trained on it for two steps, and broken copies of each), then runs each case of
+``CASES`` as its own ``python -m eagle3kit.cli`` process and judges what the user would see:
+
+  refused  exit status not 0, no traceback, the message names the input (and, where the case says, the fix), and
+           nothing was written where the case says nothing may be
+  counted  exit 0 (the good part of the input is used), the message reports the bad part with a count or reason
+
+A case that ends otherwise (exit 0 with bad input taken as data, a traceback, a message that does not name the input,
+a folder written by a refused run) is a failure of the product; ``eagle3kit trial`` exits 1 when one is found.
+The trial's own negative control: a good command judged as a case must fail (``tests/test_trial.py``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONVERSATION = {"messages": [{"role": "user", "content": "Hello, tell me about the sea and the sky."},
+                             {"role": "assistant", "content": "The sea is wide and blue, and the sky above it is "
+                                                              "bright in the morning."}]}
+SMALL = ["--max-tokens", "64"]
+TINY_TRAIN = ["--set", "max_steps=2", "--set", "draft_vocab_size=64", "--set", "ttt_steps=3", "--set",
+              "tokens_per_batch=128", "--set", "workers=0", "--set", "progress=false"]
+
+NB = ["--notebooks", str(Path(__file__).resolve().parents[2] / "notebooks")]  # the repository's pipeline notebooks
+
+
+@dataclass
+class Case:
+    name: str  # the mistake, as a user would describe it
+    argv: list  # eagle3kit's arguments, run in the trial folder
+    words: tuple  # what the message must hold (the input named, the fix)
+    outcome: str = "refused"  # or "counted"
+    untouched: tuple = ()  # paths (in the trial folder) a refused run must not create or change
+    kind: str = ""  # the group: data file, option, data set, drafter, params, ...
+
+
+def _g(i: int) -> dict:
+    return {"id": f"c{i}", **CONVERSATION}
+
+
+def _files() -> dict:
+    good = json.dumps([_g(i) for i in range(6)])
+    return {
+        "good.json": good, "empty.jsonl": "", "blank.jsonl": "\n\n  \n", "broken.json": good[: len(good) // 2],
+        "noassist.jsonl": "\n".join(json.dumps({"id": f"n{i}", "messages": [{"role": "user", "content": "hi"}]})
+                                    for i in range(3)),
+        "dup.json": json.dumps([_g(0), {**_g(1), "id": "c0"}, _g(2)]),
+        "badline.jsonl": json.dumps(_g(0)) + "\n{not json\n" + json.dumps(_g(1)) + "\n",
+        "notobjects.json": "[1, 2, 3]", "nomessages.jsonl": json.dumps({"id": "x", "text": "hello"}) + "\n",
+        "badrole.jsonl": json.dumps({"id": "r", "messages": [{"role": "wizard", "content": "hi"}]}) + "\n",
+        "afile": "x", "notjson.json": "{not json",
+        "ok-drafter-config.json": json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}),
+        "params-typo-key.yaml": "experiment: x\nstep: [03_extract]\n",
+        "params-list.yaml": "- 03_extract\n- 04_train\n",
+        "params-notyaml.yaml": "experiment: [x,\n",
+        "params-unknown-step.yaml": "experiment: x\nsteps: [03_extrakt]\n",
+        "params-wrong-type.yaml": "experiment: x\nsteps: [03_extract]\nnotebooks:\n  03_extract:\n    max_samples: many\n",
+        "params-unknown-key.yaml": "experiment: x\nsteps: [03_extract]\nnotebooks:\n  03_extract:\n    max_sample: 4\n",
+    }
+
+
+CASES = [
+    # conversation files given to extract
+    Case("empty data file", ["extract", "--data", "empty.jsonl", "--out", "o-empty", *SMALL],
+         ("empty.jsonl", "nothing to capture"), untouched=("o-empty",), kind="data file"),
+    Case("data file of blank lines", ["extract", "--data", "blank.jsonl", "--out", "o-blank", *SMALL],
+         ("blank.jsonl", "nothing to capture"), untouched=("o-blank",), kind="data file"),
+    Case("JSON list broken mid-file", ["extract", "--data", "broken.json", "--out", "o-broken", *SMALL],
+         ("broken.json", "breaks at byte"), untouched=("o-broken",), kind="data file"),
+    Case("no assistant turns", ["extract", "--data", "noassist.jsonl", "--out", "o-noassist", *SMALL],
+         ("noassist.jsonl", "nothing to capture"), untouched=("o-noassist",), kind="data file"),
+    Case("a line that is not JSON", ["extract", "--data", "badline.jsonl", "--out", "o-badline", *SMALL],
+         ("badline.jsonl:2", "not valid JSON"), untouched=("o-badline",), kind="data file"),
+    Case("records that are not objects", ["extract", "--data", "notobjects.json", "--out", "o-notobj", *SMALL],
+         ("notobjects.json",), untouched=("o-notobj",), kind="data file"),
+    Case("records without messages", ["extract", "--data", "nomessages.jsonl", "--out", "o-nomsg", *SMALL],
+         ("nomessages.jsonl",), untouched=("o-nomsg",), kind="data file"),
+    Case("an unknown role", ["extract", "--data", "badrole.jsonl", "--out", "o-badrole", *SMALL],
+         ("badrole.jsonl",), untouched=("o-badrole",), kind="data file"),
+    Case("data is a folder", ["extract", "--data", "adir", "--out", "o-adir", *SMALL],
+         ("adir is a folder",), untouched=("o-adir",), kind="data file"),
+    Case("data file missing", ["extract", "--data", "missing.jsonl", "--out", "o-missing", *SMALL],
+         ("missing.jsonl", "does not exist"), untouched=("o-missing",), kind="data file"),
+    Case("data not UTF-8", ["extract", "--data", "binary.jsonl", "--out", "o-binary", *SMALL],
+         ("binary.jsonl", "not UTF-8"), untouched=("o-binary",), kind="data file"),
+    Case("every conversation over the limit", ["extract", "--data", "good.json", "--out", "o-over", "--max-tokens", "8"],
+         ("good.json", "nothing to capture", "--max-tokens"), untouched=("o-over",), kind="data file"),
+    Case("duplicate conversation ids", ["extract", "--data", "dup.json", "--out", "o-dup", *SMALL],
+         ("duplicate id",), outcome="counted", kind="data file"),
+    Case("unknown embedded data", ["extract", "--data", "embedded:nosuch", "--out", "o-emb", *SMALL],
+         ("embedded:nosuch",), untouched=("o-emb",), kind="data file"),
+    # extract's options
+    Case("--max-tokens 0", ["extract", "--data", "good.json", "--out", "o-mt0", "--max-tokens", "0"],
+         ("--max-tokens 0",), untouched=("o-mt0",), kind="option"),
+    Case("--max-tokens negative", ["extract", "--data", "good.json", "--out", "o-mtn", "--max-tokens", "-5"],
+         ("--max-tokens -5",), untouched=("o-mtn",), kind="option"),
+    Case("--max-samples 0", ["extract", "--data", "good.json", "--out", "o-ms0", "--max-samples", "0", *SMALL],
+         ("--max-samples 0",), untouched=("o-ms0",), kind="option"),
+    Case("unsorted layer ids", ["extract", "--data", "good.json", "--out", "o-l1", "--layers", "15", "2", "27", *SMALL],
+         ("--layers 15 2 27", "fix: --layers 2 15 27"), untouched=("o-l1",), kind="option"),
+    Case("repeated layer ids", ["extract", "--data", "good.json", "--out", "o-l2", "--layers", "2", "2", "27", *SMALL],
+         ("--layers 2 2 27", "distinct"), untouched=("o-l2",), kind="option"),
+    Case("layer id past the target", ["extract", "--data", "good.json", "--out", "o-l3", "--layers", "2", "15", "40",
+                                      *SMALL], ("--layers 2 15 40", "from 1 to 29"), untouched=("o-l3",), kind="option"),
+    Case("layer id 0", ["extract", "--data", "good.json", "--out", "o-l4", "--layers", "0", "15", "27", *SMALL],
+         ("--layers 0 15 27",), untouched=("o-l4",), kind="option"),
+    Case("--heldout-percent over 100", ["extract", "--data", "good.json", "--out", "o-h1", "--heldout-percent", "150",
+                                        *SMALL], ("--heldout-percent 150",), untouched=("o-h1",), kind="option"),
+    Case("--heldout-percent negative", ["extract", "--data", "good.json", "--out", "o-h2", "--heldout-percent", "-1",
+                                        *SMALL], ("--heldout-percent -1",), untouched=("o-h2",), kind="option"),
+    Case("--rank past --world-size", ["extract", "--data", "good.json", "--out", "o-rk", "--rank", "2",
+                                      "--world-size", "2", *SMALL], ("--rank 2 --world-size 2",),
+         untouched=("o-rk",), kind="option"),
+    Case("--out is a file", ["extract", "--data", "good.json", "--out", "afile", *SMALL], ("afile is a file",),
+         untouched=("afile",), kind="option"),
+    Case("--out inside a file", ["extract", "--data", "good.json", "--out", "afile/out", *SMALL], ("afile",),
+         untouched=("afile",), kind="option"),
+    Case("--concurrency 0", ["extract", "--data", "good.json", "--out", "o-c0", "--concurrency", "0", *SMALL],
+         ("--concurrency 0",), untouched=("o-c0",), kind="option"),
+    Case("capture server not running", ["extract", "--engine", "sglang", "--urls", "http://127.0.0.1:9", "--data",
+                                        "good.json", "--out", "o-url", *SMALL], ("http://127.0.0.1:9", "Fix"),
+         kind="option"),
+    Case("target folder missing", ["extract", "--target", "nomodel", "--data", "good.json", "--out", "o-t1", *SMALL],
+         ("nomodel",), untouched=("o-t1",), kind="target"),
+    Case("target folder without tokenizer", ["extract", "--target", "model-notok", "--data", "good.json", "--out",
+                                             "o-t2", *SMALL], ("model-notok", "tokenizer"), untouched=("o-t2",),
+         kind="target"),
+    Case("target folder without weights", ["extract", "--target", "model-noweights", "--data", "good.json", "--out",
+                                           "o-t3", *SMALL], ("model-noweights", "weights"), untouched=("o-t3",),
+         kind="target"),
+    Case("resume with another --seed", ["extract", "--data", "good.json", "--out", "ds", "--heldout-percent", "34",
+                                        "--seed", "1", *SMALL], ("other settings", "split"), untouched=("ds",),
+         kind="resume"),
+    Case("resume with another --storage", ["extract", "--data", "good.json", "--out", "ds", "--heldout-percent", "34",
+                                           "--storage", "fp8", *SMALL], ("other settings", "storage"),
+         untouched=("ds",), kind="resume"),
+    Case("resume with other layers", ["extract", "--data", "good.json", "--out", "ds", "--heldout-percent", "34",
+                                      "--layers", "3", "16", "28", *SMALL], ("other settings",), untouched=("ds",),
+         kind="resume"),
+    Case("resume over a corrupt sample and a garbled manifest line",
+         ["extract", "--data", "good.json", "--out", "ds-repair", "--heldout-percent", "34", *SMALL],
+         ("captured again", "1 malformed manifest lines dropped"), outcome="counted", kind="resume"),
+    # data sets given to verify, derive, export, train
+    Case("verify: a folder that is not a data set", ["verify", "adir"], ("adir", "not an eagle3kit data set"),
+         kind="data set"),
+    Case("verify: a file", ["verify", "afile"], ("afile", "not an eagle3kit data set"), kind="data set"),
+    Case("verify: a bit-flipped sample", ["verify", "ds-flip"], ("s0000000", "checksum"), kind="data set"),
+    Case("verify: a sample file missing", ["verify", "ds-missing"], ("s0000001", "missing"), kind="data set"),
+    Case("verify: a malformed manifest line", ["verify", "ds-badmanifest"], ("manifest.jsonl",), kind="data set"),
+    Case("derive: not a data set", ["derive", "adir", "d-1", "--storage", "fp8"], ("adir", "not an eagle3kit data set"),
+         untouched=("d-1",), kind="data set"),
+    Case("derive: a bit-flipped sample", ["derive", "ds-flip", "d-2", "--storage", "fp8"], ("s0000000", "checksum"),
+         untouched=("d-2",), kind="data set"),
+    Case("derive: into a folder that is not empty", ["derive", "ds", "ds-flip", "--storage", "fp8"],
+         ("ds-flip", "not empty"), untouched=("ds-flip",), kind="data set"),
+    Case("derive: post-norm without final-normed states", ["derive", "ds", "d-3", "--final-slot", "post_norm"],
+         ("--final-normed",), untouched=("d-3",), kind="data set"),
+    Case("export: speculators from a bit-flipped data set", ["export", "speculators", "ds-flip", "x-1"],
+         ("s0000000", "checksum"), outcome="counted", kind="data set"),
+    Case("export: specforge without final-normed states", ["export", "specforge", "ds", "x-2"], ("--final-normed",),
+         untouched=("x-2",), kind="data set"),
+    Case("export: sglang from a data set", ["export", "sglang", "ds", "x-3"], ("not a drafter", "eagle3kit train"),
+         untouched=("x-3",), kind="data set"),
+    Case("train: a folder that is not a data set", ["train", "--data", "adir", "--out", "t-1"],
+         ("adir", "Fix"), untouched=("t-1",), kind="data set"),
+    Case("train: a bit-flipped sample", ["train", "--data", "ds-flip", "--out", "t-2", *TINY_TRAIN],
+         ("skipped sample", "checksum"), outcome="counted", kind="data set"),
+    # training settings
+    Case("train: a setting of the wrong type", ["train", "--data", "ds", "--out", "t-3", "--set", "lr=abc"],
+         ("lr='abc'", "float"), untouched=("t-3",), kind="train setting"),
+    Case("train: an unknown setting", ["train", "--data", "ds", "--out", "t-4", "--set", "learning_rate=1e-4"],
+         ("learning_rate",), untouched=("t-4",), kind="train setting"),
+    Case("train: --set without =", ["train", "--data", "ds", "--out", "t-5", "--set", "lr"], ("--set 'lr'", "KEY=VALUE"),
+         untouched=("t-5",), kind="train setting"),
+    Case("train: a negative learning rate", ["train", "--data", "ds", "--out", "t-6", "--set", "lr=-1"], ("lr > 0",),
+         untouched=("t-6",), kind="train setting"),
+    Case("train: TTT shallower than serving", ["train", "--data", "ds", "--out", "t-7", "--set", "ttt_steps=2"],
+         ("ttt_steps=2 < serving_steps=3",), untouched=("t-7",), kind="train setting"),
+    Case("train: --out is a file", ["train", "--data", "ds", "--out", "afile", *TINY_TRAIN], ("afile",),
+         untouched=("afile",), kind="train setting"),
+    Case("train: a resume with other settings", ["train", "--data", "ds", "--out", "tr", *TINY_TRAIN, "--set",
+                                                 "lr=0.1"], ("lr",), untouched=("tr",), kind="train setting"),
+    Case("train: a planted pickle in the checkpoint", ["train", "--data", "ds", "--out", "tr-pickle", *TINY_TRAIN],
+         ("last.pt",), untouched=("tr-pickle",), kind="drafter"),
+    # drafters given to export and doctor
+    Case("export: sglang from a folder that is not a drafter", ["export", "sglang", "adir", "x-4"], ("adir",),
+         untouched=("x-4",), kind="drafter"),
+    Case("export: a drafter whose weights were cut", ["export", "sglang", "tr-cut", "x-5"], ("model.safetensors",),
+         untouched=("x-5",), kind="drafter"),
+    Case("doctor: a config that is not JSON", ["doctor", "--capture-layers", "2", "15", "27", "--drafter-config",
+                                               "notjson.json"], ("notjson.json", "not a readable JSON"), kind="doctor"),
+    Case("doctor: layers past the target", ["doctor", "--capture-layers", "2", "15", "99", "--drafter-config",
+                                            "ok-drafter-config.json"], ("--capture-layers 2 15 99", "from 1 to 29"),
+         kind="doctor"),
+    Case("doctor: a folder that is not a drafter", ["doctor", "--drafter", "adir"], ("adir",), kind="doctor"),
+    Case("doctor: nothing to check", ["doctor"], ("--drafter",), kind="doctor"),
+    # params of `eagle3kit run`
+    Case("run: params file missing", ["run", "params-nope.yaml"], ("params-nope.yaml", "does not exist"), kind="params"),
+    Case("run: params not YAML", ["run", "params-notyaml.yaml"], ("params-notyaml.yaml",), kind="params"),
+    Case("run: params a list", ["run", "params-list.yaml"], ("params-list.yaml",), kind="params"),
+    Case("run: a misspelt key", ["run", "params-typo-key.yaml", *NB], ("params-typo-key.yaml", "step"), kind="params"),
+    Case("run: an unknown step", ["run", "params-unknown-step.yaml", *NB], ("03_extrakt",), kind="params"),
+    Case("run: a parameter of the wrong type", ["run", "params-wrong-type.yaml", *NB], ("max_samples", "many"),
+         kind="params"),
+    Case("run: an unknown parameter", ["run", "params-unknown-key.yaml", *NB], ("max_sample",), kind="params"),
+    Case("run: --set without =", ["run", "params-unknown-step.yaml", *NB, "--set", "oops"], ("oops",), kind="params"),
+    Case("compare: no run with figures", ["compare", "adir", "--out", "cmp"], ("adir",), untouched=("cmp",),
+         kind="params"),
+]
+
+
+def prepare(folder: Path, python: str = sys.executable) -> dict:
+    """The trial's inputs in ``folder``; returns how long each real one took to make (seconds)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for p in folder.iterdir():  # a fresh start but for the real inputs a trial made before (they take a minute)
+        if p.name not in ("ds", "tr"):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    for name, text in _files().items():
+        (folder / name).write_text(text)
+    (folder / "binary.jsonl").write_bytes(b'{"id": "a"}\n\xff\xfe\x00')
+    (folder / "adir").mkdir(exist_ok=True)
+    from eagle3kit.target import materialize
+
+    model = Path(materialize())
+    for name, keep in (("model-notok", lambda f: "token" not in f.name and f.suffix != ".jinja"),
+                       ("model-noweights", lambda f: f.suffix not in (".safetensors", ".bin", ".gguf"))):
+        (folder / name).mkdir(exist_ok=True)
+        for f in model.iterdir():
+            if f.is_file() and keep(f) and not (folder / name / f.name).exists():
+                os.symlink(f, folder / name / f.name)
+    took = {}
+    for what, argv, out in (("data set", ["extract", "--data", "good.json", "--out", "ds", "--heldout-percent", "34",
+                                          *SMALL], "ds"),
+                            ("drafter", ["train", "--data", "ds", "--out", "tr", *TINY_TRAIN], "tr")):
+        if not (folder / out).exists():
+            t0 = time.time()
+            r = subprocess.run([python, "-m", "eagle3kit.cli", *argv], cwd=folder, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"the trial's {what} could not be made: {r.stderr[-2000:]}")
+            took[what] = round(time.time() - t0, 1)
+    _broken_copies(folder)
+    return took
+
+
+def _broken_copies(folder: Path) -> None:
+    ds, tr = folder / "ds", folder / "tr"
+    for name in ("ds-flip", "ds-missing", "ds-badmanifest", "ds-repair", "tr-pickle", "tr-cut"):
+        shutil.rmtree(folder / name, ignore_errors=True)
+        shutil.copytree(ds if name.startswith("ds") else tr, folder / name)
+    for d in ("ds-flip", "ds-repair"):
+        f = folder / d / "samples" / "s0000000.rank0.safetensors"
+        b = bytearray(f.read_bytes())
+        b[-10] ^= 0xFF  # a hidden-state byte (the token ids come first): only the checksum can tell
+        f.write_bytes(bytes(b))
+    (folder / "ds-missing" / "samples" / "s0000001.rank0.safetensors").unlink()
+    for d in ("ds-badmanifest", "ds-repair"):
+        m = folder / d / "manifest.jsonl"
+        lines = m.read_text().splitlines(keepends=True)
+        m.write_text("".join(lines[:2]) + '{"key": "torn", "file": \n' + "".join(lines[2:]))
+    import pickle
+
+    class Planted:  # a checkpoint that runs code when unpickled without weights_only
+        def __reduce__(self):
+            return (os.system, ("echo planted",))
+    (folder / "tr-pickle" / "checkpoints" / "last.pt").write_bytes(pickle.dumps({"model": Planted()}))
+    w = folder / "tr-cut" / "best" / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+
+
+def _snapshot(path: Path):
+    if not path.exists():
+        return None
+    if path.is_file():
+        return (path.stat().st_size, path.stat().st_mtime_ns)
+    return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in path.rglob("*") if p.is_file())
+
+
+def judge(case: Case, rc: int, out: str, before: dict, after: dict) -> str | None:
+    """None when the product handled ``case`` as it must; otherwise what went wrong."""
+    if "Traceback (most recent call last)" in out:
+        return "a traceback"
+    missing = [w for w in case.words if w not in out]
+    if case.outcome == "counted":
+        if rc != 0:
+            return f"exit {rc}: the good part of the input was not used"
+    elif rc == 0:
+        return "exit 0: the bad input was taken"
+    if missing:
+        return f"the message lacks {missing}"
+    changed = [p for p in case.untouched if before.get(p) != after.get(p)]
+    if case.outcome == "refused" and changed:
+        return f"a refused run wrote {changed}"
+    return None
+
+
+def run_case(case: Case, folder: Path, python: str = sys.executable, timeout: float = 300) -> dict:
+    before = {p: _snapshot(folder / p) for p in case.untouched}
+    t0 = time.time()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3KIT_PROGRESS": "0"}
+    try:
+        r = subprocess.run([python, "-m", "eagle3kit.cli", *case.argv], cwd=folder, capture_output=True, text=True,
+                           timeout=timeout, env=env)
+        rc, out = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = -9, f"timed out after {timeout} s: {e.stdout or ''}{e.stderr or ''}"
+    after = {p: _snapshot(folder / p) for p in case.untouched}
+    problem = judge(case, rc, out, before, after)
+    message = [ln for ln in out.strip().splitlines() if ln.startswith("eagle3kit ") or "skipped" in ln or
+               "duplicate" in ln or "checksum" in ln or "problems" in ln] or out.strip().splitlines()[-1:]
+    return {"case": case.name, "kind": case.kind, "command": "eagle3kit " + " ".join(case.argv), "exit": rc,
+            "outcome": case.outcome, "ok": problem is None, "problem": problem, "seconds": round(time.time() - t0, 1),
+            "message": (message[0] if message else "")[:400]}
+
+
+def run_trial(folder, cases=None, python: str = sys.executable, log=print) -> dict:
+    """Every case in ``folder`` (made by ``prepare``); returns the metrics and writes ``trial.jsonl`` there."""
+    folder = Path(folder)
+    took = prepare(folder, python)
+    rows = []
+    with open(folder / "trial.jsonl", "w") as f:
+        for case in cases or CASES:
+            row = run_case(case, folder, python)
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            log(f"{'ok  ' if row['ok'] else 'FAIL'} {row['case']}: exit {row['exit']}"
+                + (f" -- {row['problem']}" if row["problem"] else "") + f" | {row['message'][:160]}")
+    bad = [r["case"] for r in rows if not r["ok"]]
+    return {"bad_inputs_tried": len(rows), "bad_inputs_handled": len(rows) - len(bad), "bad_inputs_unhandled": bad,
+            "bad_inputs_refused": sum(r["ok"] and r["outcome"] == "refused" for r in rows),
+            "bad_inputs_counted": sum(r["ok"] and r["outcome"] == "counted" for r in rows),
+            "bad_input_kinds": sorted({r["kind"] for r in rows}), "bad_input_setup_seconds": took}

@@ -1,0 +1,36 @@
+"""The bad-input trial (#12) through the real command line: every case of ``eagle3kit.trial.CASES`` (data files,
+options, targets, resumes, data sets, training settings, drafters, doctor, params) is refused naming the input, or
+counted and reported, with no traceback and nothing written where a refused run may not write. The trial's own
+negative controls: a good command, a message that does not name the input, a refused run that wrote, and a
+traceback are each judged a failure."""
+import json
+import subprocess
+import sys
+
+from eagle3kit.trial import CASES, Case, judge, run_case
+
+
+def test_every_bad_input_is_refused_or_counted(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "trial", "--folder", str(tmp_path / "trial")],
+                       capture_output=True, text=True, timeout=3000)
+    m = json.loads((tmp_path / "trial" / "metrics.json").read_text())
+    assert r.returncode == 0 and m["bad_inputs_unhandled"] == [], r.stdout[-4000:] + r.stderr[-2000:]
+    assert m["bad_inputs_tried"] == len(CASES) >= 60 and m["bad_inputs_handled"] == len(CASES)
+    rows = [json.loads(line) for line in (tmp_path / "trial" / "trial.jsonl").read_text().splitlines()]
+    assert len(rows) == len(CASES) and all(r["ok"] for r in rows)
+    # the trial also proved the check it exists for: run on a good command, the judge fails it
+    good = run_case(Case("a good command", ["verify", "ds"], ("ds",)), tmp_path / "trial")
+    assert not good["ok"] and good["problem"].startswith("exit 0")
+
+
+def test_the_judge_fails_what_a_user_must_not_see():
+    case = Case("x", ["extract"], ("--data x.jsonl",), untouched=("out",))
+    fine = "eagle3kit extract: --data x.jsonl: nothing to capture"
+    assert judge(case, 2, fine, {"out": None}, {"out": None}) is None
+    assert judge(case, 0, fine, {"out": None}, {"out": None}).startswith("exit 0")
+    assert "lacks" in judge(case, 2, "eagle3kit extract: nothing to capture", {"out": None}, {"out": None})
+    assert "wrote" in judge(case, 2, fine, {"out": None}, {"out": [("a", 1, 2)]})
+    assert judge(case, 1, fine + "\nTraceback (most recent call last):\n", {}, {}) == "a traceback"
+    counted = Case("y", ["extract"], ("duplicate id",), outcome="counted")
+    assert judge(counted, 0, "1 duplicate id skipped", {}, {}) is None
+    assert "not used" in judge(counted, 2, "1 duplicate id skipped", {}, {})
