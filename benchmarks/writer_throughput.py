@@ -1,13 +1,24 @@
-"""The capture writer alone, on the CPU: forwards of captured rows pushed through the scheduler-side interface
-(host ring, submit) as fast as the writer takes them. Prints MB/s written, samples/s and the latency from submit
-to marker (what a client waiting on markers sees). No server, no GPU: the writer's own ceiling on this machine.
+"""The capture writer alone: forwards of captured rows pushed through the scheduler-side interface (the hook's
+add and fp8 encoding on ``--device``, host ring, submit) as fast as the writer takes them. Prints MB/s written,
+samples/s and the latency from submit to marker (what a client waiting on markers sees). No server: the writer's
+own ceiling on this machine.
 
 usage: python benchmarks/writer_throughput.py [--forwards 60] [--rows 8192] [--per-request 1366] [--storage bf16]
+       python benchmarks/writer_throughput.py --kimi [--storage fp8]   # Kimi-K2.5's geometry (#13)
+
+``--kimi``: hidden 7168, 61 layers (aux 2, 30, 58 + the final slot: 4 slots), requests of 1,611 tokens (the mean
+that makes the users' 924 GB for 10 K samples at 4 bf16 slots of 7168). Only rank 0 of a TP group writes, so the
+writer's tokens/s is the prefill tokens/s of a whole 8-GPU server it keeps up with. ``durable`` figures include
+``os.sync()`` after the last marker (the bytes on disk, not in the page cache). Metrics: ``writer_gb_per_s``,
+``writer_durable_gb_per_s``, ``writer_tokens_per_s``, ``bytes_per_token`` and, at hidden 7168,
+``writer_gb_per_s_h7168_<storage>`` and ``kimi_10k_samples_gb_<storage>`` (10 K samples of 1,611 tokens re-estimated
+with the bytes per token measured here).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -15,6 +26,11 @@ import time
 from pathlib import Path
 
 import torch
+
+KIMI_TOKENS_PER_SAMPLE = 1611  # 924 GB / 10 K samples / (4 slots x 7168 x 2 bytes)
+PER_STORAGE = {"samples", "bytes", "seconds", "durable_seconds", "submit_seconds", "mb_per_s", "samples_per_s",
+               "writer_gb_per_s", "writer_durable_gb_per_s", "writer_tokens_per_s", "writer_durable_tokens_per_s",
+               "bytes_per_token", "marker_latency_median_s", "marker_latency_max_s"}  # merged per storage
 
 
 def main(argv=None):
@@ -29,8 +45,14 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--storage", default="bf16")
     p.add_argument("--dir", default="/tmp/eagle3kit-writer-bench")
-    p.add_argument("--out", default=None, help="folder for metrics.json")
+    p.add_argument("--out", default=None, help="folder for metrics.json (merged into one that is there)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the synthetic forwards' states live (the hook adds and, for fp8, encodes them there)")
+    p.add_argument("--kimi", action="store_true", help="Kimi-K2.5's geometry: --hidden 7168 --layers 61 "
+                   "--per-request 1611")
     a = p.parse_args(argv)
+    if a.kimi:
+        a.hidden, a.layers, a.per_request = 7168, 61, KIMI_TOKENS_PER_SAMPLE
     d = Path(a.dir)
     shutil.rmtree(d, ignore_errors=True)
 
@@ -41,9 +63,9 @@ def main(argv=None):
     session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
     session.writer.ring.buf.fill_(0)  # populate the ring's pages, as registering it with CUDA does on the GPU
     per = a.per_request
-    states = torch.randn(a.rows, a.hidden).bfloat16()
+    states = torch.randn(a.rows, a.hidden, device=a.device).bfloat16()
     residual = torch.zeros_like(states)
-    ids = torch.arange(a.rows)
+    ids = torch.arange(a.rows, device=a.device)
     sent: dict[str, float] = {}
     t0 = time.time()
     for f in range(a.forwards):
@@ -61,21 +83,35 @@ def main(argv=None):
     submitted = time.time() - t0
     session.writer.flush(timeout=600)
     total = time.time() - t0
+    os.sync()  # the bytes on disk: what a sample counted as done must mean
+    durable = time.time() - t0
     lat = []
     nbytes = 0
     for k, t in sent.items():
         m = json.loads((d / f"{k}.rank0.json").read_text())
         lat.append(m["time"] - t)
         nbytes += m["bytes"]
-    res = {"samples": len(sent), "bytes": nbytes, "seconds": total, "submit_seconds": submitted,
-           "mb_per_s": nbytes / total / 2**20, "samples_per_s": len(sent) / total,
+    tokens = len(sent) * per
+    res = {"samples": len(sent), "bytes": nbytes, "seconds": total, "durable_seconds": durable,
+           "submit_seconds": submitted, "mb_per_s": nbytes / total / 2**20, "samples_per_s": len(sent) / total,
+           "writer_gb_per_s": nbytes / total / 1e9, "writer_durable_gb_per_s": nbytes / durable / 1e9,
+           "writer_tokens_per_s": tokens / total, "writer_durable_tokens_per_s": tokens / durable,
+           "bytes_per_token": nbytes / tokens, "hidden": a.hidden, "slots": len(session.layer_slots),
            "marker_latency_median_s": statistics.median(lat), "marker_latency_max_s": max(lat),
-           "storage": a.storage}
+           "storage": a.storage, "device": a.device}
+    if a.hidden == 7168:
+        res[f"writer_gb_per_s_h7168_{a.storage}"] = res["writer_gb_per_s"]
+        res[f"writer_durable_gb_per_s_h7168_{a.storage}"] = res["writer_durable_gb_per_s"]
+        res[f"kimi_keepup_prefill_tokens_per_s_{a.storage}"] = res["writer_durable_tokens_per_s"]
+        res[f"kimi_10k_samples_gb_{a.storage}"] = res["bytes_per_token"] * KIMI_TOKENS_PER_SAMPLE * 10_000 / 1e9
     for k, v in res.items():
         print(f"{k:26s} {v:,.3f}" if isinstance(v, float) else f"{k:26s} {v}")
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "metrics.json").write_text(json.dumps(res, indent=1))
+        path = Path(a.out) / "metrics.json"
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**old, **{f"{k}_{a.storage}" if k in PER_STORAGE else k: v
+                                              for k, v in res.items()}}, indent=1, sort_keys=True))
     session.writer.close()
     shutil.rmtree(d, ignore_errors=True)
     return 0

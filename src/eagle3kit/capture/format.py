@@ -48,19 +48,31 @@ def sample_name(key: str, rank: int) -> str:
     return f"{key}.rank{rank}"
 
 
+def fp8_encode(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., H]`` states as e4m3 values and one float32 scale per vector (per token and slot): on whatever device
+    ``hs`` lives (the capture hook runs it on the GPU, so half the bytes cross to the host)."""
+    x = hs.float()
+    scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)
+    return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
 def encode(tensors: dict, storage: str = "bf16") -> dict:
-    """Turn captured tensors into the stored tensors of one storage option."""
+    """Turn captured tensors into the stored tensors of one storage option. fp8 states already encoded (by the
+    capture hook, ``fp8_encode``) are stored as they are."""
     if storage not in STORAGES:
         raise ValueError(f"storage {storage!r} unknown: choose one of {STORAGES}")
-    hs = tensors["hidden_states"]
     out = {"token_ids": tensors["token_ids"].to(torch.int64).contiguous()}
-    if storage in ("bf16", "fp32"):
-        out["hidden_states"] = hs.to(torch.bfloat16 if storage == "bf16" else torch.float32).contiguous()
+    if "hidden_states_fp8" in tensors:
+        if storage != "fp8":
+            raise ValueError(f"states encoded as fp8 cannot be stored as {storage}")
+        out["hidden_states_fp8"] = tensors["hidden_states_fp8"].contiguous()
+        out["hidden_states_scale"] = tensors["hidden_states_scale"].float().contiguous()
+    elif storage in ("bf16", "fp32"):
+        out["hidden_states"] = tensors["hidden_states"].to(
+            torch.bfloat16 if storage == "bf16" else torch.float32).contiguous()
     else:
-        x = hs.float()
-        scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)  # one scale per token and layer
-        out["hidden_states_fp8"] = (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).contiguous()
-        out["hidden_states_scale"] = scale.contiguous()
+        q, scale = fp8_encode(tensors["hidden_states"])
+        out["hidden_states_fp8"], out["hidden_states_scale"] = q.contiguous(), scale.contiguous()
     if tensors.get("final_normed") is not None:
         fdt = torch.float32 if storage == "fp32" else torch.bfloat16
         out["final_normed"] = tensors["final_normed"].to(fdt).contiguous()

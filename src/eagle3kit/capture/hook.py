@@ -11,7 +11,8 @@ What it takes, from where (SGLang 0.5.14, Llama-style models; DESIGN.md lists th
     skipped), ``rids``, ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu`` (rows are packed in ``rids`` order).
 
 Hot path per selected forward: per hooked layer one add (and, for mixed batches, a gather) written into its slot
-of one ``[rows, slots, H]`` block on the GPU (the file's layout), then one copy of the block on a side stream into
+of one ``[rows, slots, H]`` block on the GPU (the file's layout; with fp8 storage encoded there, ``fp8_encode``, so
+half the bytes cross), then one copy of the block on a side stream into
 a pinned shared-memory ring; a separate writer process (``writer_process.py``) splits,
 reassembles chunks and writes, so no file work runs under the scheduler's GIL. Every hook body is wrapped: an
 exception is counted and reported in ``_status.rank<r>.json``, never raised into SGLang.
@@ -26,7 +27,7 @@ import time
 import torch
 
 from eagle3kit.capture.assemble import gather_index, select_rows
-from eagle3kit.capture.format import capture_metadata
+from eagle3kit.capture.format import capture_metadata, fp8_encode
 from eagle3kit.capture.rid import RID_PREFIX
 from eagle3kit.capture.writer import Job
 from eagle3kit.capture.writer_process import WriterProcess, allow_profiler
@@ -85,6 +86,7 @@ class CaptureSession:
     def __init__(self, config: dict, rank: int = 0, tp_size: int = 1, extend_mode=None, forward_batch_type=None,
                  dp_rank: int | None = None):
         self.config = config
+        self._fp8 = config.get("storage") == "fp8"  # encoded in the hook, on the states' device
         self.rank, self.tp_size = rank, tp_size
         self.extend_mode = extend_mode
         self.fb_type = forward_batch_type
@@ -183,7 +185,7 @@ class CaptureSession:
             # one [rows, slots, H] block per forward: on the GPU (one copy to the host at the end), on the CPU
             # straight in host memory; each layer's residual sum is written into its slot
             shape = (st.sel.n_rows, self.n_slots, h.shape[-1])
-            st.states = (torch.empty(shape, dtype=h.dtype, device=h.device) if h.is_cuda
+            st.states = (torch.empty(shape, dtype=h.dtype, device=h.device) if h.is_cuda or self._fp8
                          else self._host(st, shape, h.dtype, False))
         slots = self.layer_slots.get(layer, ())
         for i in slots:
@@ -207,8 +209,12 @@ class CaptureSession:
         if missing:
             raise RuntimeError(f"no output captured from decoder layers {missing}: their hooks did not fire "
                                f"(module names differ from the layer_module template?)")
-        states = self._copy(st, st.states) if st.states.is_cuda else st.states
-        tensors = {"hidden_states": states, "token_ids": self._copy(st, self._rows(st, args[0]))}
+        if self._fp8:  # encoded where the states are (the GPU): half the bytes to copy, no quantizing on the host
+            q, scale = fp8_encode(st.states)
+            tensors = {"hidden_states_fp8": self._copy(st, q), "hidden_states_scale": self._copy(st, scale)}
+        else:
+            tensors = {"hidden_states": self._copy(st, st.states) if st.states.is_cuda else st.states}
+        tensors["token_ids"] = self._copy(st, self._rows(st, args[0]))
         if self.config["final_normed"]:
             tensors["final_normed"] = self._copy(st, self._rows(st, args[1]))
         event = None
