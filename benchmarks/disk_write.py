@@ -16,18 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default="/tmp/e3k-disk")
-    p.add_argument("--gb", type=float, default=16)
-    p.add_argument("--file-mb", type=float, default=6.3)  # a 1,366-token SmolLM2 sample in bf16
-    p.add_argument("--threads", type=int, default=4)
-    a = p.parse_args(argv)
-    d = Path(a.dir)
+def measure(folder, gb: float = 16, file_mb: float = 6.3, threads: int = 4) -> dict:
+    """Bytes/s of files of ``file_mb`` written to ``folder`` by ``threads`` threads: as the writes returned (page
+    cache) and until ``os.sync()`` returned (on disk: the durable bandwidth), and sha256 on one thread."""
+    d = Path(folder)
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
-    blob = os.urandom(int(a.file_mb * 2**20))
-    n = int(a.gb * 2**30 / len(blob))
+    os.sync()  # start with no dirty pages of earlier work
+    blob = os.urandom(int(file_mb * 2**20))
+    n = max(1, int(gb * 2**30 / len(blob)))
     t = time.time()
     for _ in range(max(1, n // 20)):
         hashlib.sha256(blob).digest()
@@ -37,19 +34,34 @@ def main(argv=None):
         with open(d / f"{i}.bin", "wb") as f:
             f.write(blob)
     t = time.time()
-    with ThreadPoolExecutor(a.threads) as ex:
+    with ThreadPoolExecutor(threads) as ex:
         list(ex.map(one, range(n)))
     buffered = n * len(blob) / (time.time() - t)
     t2 = time.time()
     os.sync()
     synced = n * len(blob) / (time.time() - t)
-    print(f"files {n} x {len(blob) / 2**20:.1f} MiB = {n * len(blob) / 2**30:.1f} GiB in {a.dir}")
-    print(f"write (returned)      {buffered / 2**20:10,.0f} MiB/s")
-    print(f"write + sync          {synced / 2**20:10,.0f} MiB/s   (sync took {time.time() - t2:.1f} s)")
-    print(f"sha256 one thread     {sha / 2**20:10,.0f} MiB/s")
+    res = {"disk_files": n, "disk_file_bytes": len(blob), "disk_write_bytes_per_s": buffered,
+           "disk_durable_bytes_per_s": synced, "disk_sync_seconds": time.time() - t2, "sha256_bytes_per_s": sha}
+    shutil.rmtree(d, ignore_errors=True)
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default="/tmp/e3k-disk")
+    p.add_argument("--gb", type=float, default=16)
+    p.add_argument("--file-mb", type=float, default=6.3)  # a 1,366-token SmolLM2 sample in bf16
+    p.add_argument("--threads", type=int, default=4)
+    a = p.parse_args(argv)
+    r = measure(a.dir, a.gb, a.file_mb, a.threads)
+    print(f"files {r['disk_files']} x {r['disk_file_bytes'] / 2**20:.1f} MiB = "
+          f"{r['disk_files'] * r['disk_file_bytes'] / 2**30:.1f} GiB in {a.dir}")
+    print(f"write (returned)      {r['disk_write_bytes_per_s'] / 2**20:10,.0f} MiB/s")
+    print(f"write + sync          {r['disk_durable_bytes_per_s'] / 2**20:10,.0f} MiB/s   "
+          f"(sync took {r['disk_sync_seconds']:.1f} s)")
+    print(f"sha256 one thread     {r['sha256_bytes_per_s'] / 2**20:10,.0f} MiB/s")
     for cmd in (["df", "-h", a.dir, "/dev/shm"], ["free", "-g"], ["sysctl", "vm.dirty_ratio", "vm.dirty_background_ratio"]):
         print(subprocess.run(cmd, capture_output=True, text=True).stdout.strip())
-    shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,19 @@
 """Extraction throughput on the GPU, all in one run with the same prompts (prints a table, writes metrics.json):
 
-  (a) plain SGLang prefill, no capture (max_new_tokens 0, many requests in flight); also the capture server
-      answering requests it does not capture (the cost of the hooks alone)
-  (b) eagle3kit capture at its best concurrency (bf16 and fp8 storage, ``--storages``)
-  (c) the serial method used before: one request in flight, max_new_tokens 1
-Ratios b/a (target >= 0.9) and b/c (target >= 10), bytes per token per storage. Every pass runs ``--rounds``
-times, in turn with the others, and reports its best (``*_rounds`` lists each round). The capture servers' status
+  (a) plain SGLang prefill, no capture (max_new_tokens 0, many requests in flight): SGLang with its own defaults
+      (CUDA graphs on: the server a user runs without eagle3kit; the baseline of every ratio) and with
+      ``--disable-cuda-graph`` (what capture needs); also the capture server answering requests it does not capture
+      (the cost of the hooks alone)
+  (b) eagle3kit capture at its best concurrency (bf16 and fp8 storage, ``--storages``), timed until the last marker
+      (files in the page cache) and until ``os.sync()`` returned (durable: the bytes on disk)
+  (c) the serial method used before: one request in flight, max_new_tokens 1, on a seeded random subset of the same
+      prompts (the same length distribution), once per round like every other pass
+  (d) the disk: durable write bandwidth of files of a sample's size on the captures' disk, measured in the same run;
+      the physical limit of capture per storage is min(plain prefill, durable disk bytes/s / bytes per token)
+Every pass runs ``--rounds`` times, in turn with the others. Ratios are taken per round (the same round's passes)
+and reported as the median, every round and their spread ((max - min) / median): ``ratio_vs_plain_default`` (page
+cache, bf16; goal >= 0.9), ``durable_ratio_vs_limit_<storage>`` (goal >= 0.9), ``ratio_vs_serial_fair``,
+``ratio_spread``. Each pass's best, median and rounds are kept too (``*_rounds``). The capture servers' status
 counts say where time went: ``hook_us`` (the scheduler's time inside the hooks), ``backpressure_us`` (forwards
 waiting for the writer). Every request carries a unique ``extra_key``, so repeated passes over the same prompts
 never hit the prefix cache, and every pass starts after the previous pass's captures are removed and all dirty pages
@@ -21,12 +29,19 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+
+def measure_disk(folder, gb, file_mb):
+    from disk_write import measure  # benchmarks/disk_write.py
+
+    return measure(folder, gb=gb, file_mb=file_mb)
 
 
 def prompts_from_sharegpt(tok, n, max_tokens):
@@ -116,6 +131,46 @@ def spy_on(tag, server, out, seconds, client=False):
     return [Spy(pid, out / f"profile-{tag}-{name}.txt", seconds).start() for name, pid in pids.items()]
 
 
+def _best(values):
+    ok = [v for v in values if v == v]  # NaN: a failed pass
+    return max(ok) if ok else float("nan")
+
+
+def summarize_rounds(runs: dict, rounds: int, concurrency, storages, disk_bytes_per_s: float,
+                     bytes_per_token: dict) -> dict:
+    """The ratios of one benchmark run from its passes' tokens/s per round (``runs``: pass -> one value per round;
+    passes ``plain_default_conc<c>``, ``plain_conc<c>``, ``capture_<st>_conc<c>``, ``durable_<st>_conc<c>``,
+    ``serial``). Each round's best concurrency per kind; ratios within a round (the same spell of the machine), then
+    their median, every round and the spread ((max - min) / median). The physical limit of capture per storage is
+    min(plain prefill with SGLang's defaults, durable disk bytes/s / bytes per token)."""
+    per_round = {kind: [_best([runs[f"{kind}_conc{c}"][r] for c in concurrency]) for r in range(rounds)]
+                 for kind in ("plain_default", "plain", *(f"capture_{st}" for st in storages),
+                              *(f"durable_{st}" for st in storages))}
+    per_round["serial"] = runs["serial"]
+    res = {"rounds": rounds}
+
+    def ratio(key, num, den):
+        values = [x / y for x, y in zip(num, den) if x == x and y == y and y > 0]
+        med = statistics.median(values) if values else float("nan")
+        res[key], res[f"{key}_rounds"] = med, " ".join(f"{v:.3f}" for v in values)
+        res[f"{key}_spread"] = (max(values) - min(values)) / med if values else float("nan")
+    st0 = storages[0]
+    ratio("ratio_vs_plain_default", per_round[f"capture_{st0}"], per_round["plain_default"])
+    ratio("ratio_vs_plain_nographs", per_round[f"capture_{st0}"], per_round["plain"])
+    ratio("ratio_vs_serial_fair", per_round[f"capture_{st0}"], per_round["serial"])
+    res["ratio_spread"] = res["ratio_vs_plain_default_spread"]
+    prefill = statistics.median(per_round["plain_default"])
+    res["plain_default_tokens_per_s"] = prefill
+    for st in storages:  # the physical limit: the server's prefill or the disk's durable bandwidth, whichever binds
+        disk_tps = disk_bytes_per_s / bytes_per_token[st]
+        limits = [min(p, disk_tps) for p in per_round["plain_default"]]
+        res[f"capture_limit_{st}_tokens_per_s"] = statistics.median(limits)
+        res[f"capture_limit_{st}_binds"] = "disk" if disk_tps < prefill else "prefill"
+        ratio(f"durable_ratio_vs_limit_{st}", per_round[f"durable_{st}"], limits)
+        ratio(f"ratio_vs_plain_default_{st}", per_round[f"capture_{st}"], per_round["plain_default"])
+    return res
+
+
 def gpu(a):
     from transformers import AutoTokenizer
 
@@ -137,20 +192,25 @@ def gpu(a):
     # one GPU, three servers started in turn (each --mem-fraction-static counts what the earlier ones hold)
     mem = lambda f: ["--mem-fraction-static", str(f)]  # noqa: E731
     env = {"EAGLE3KIT_ALLOW_PTRACE": "1"}  # py-spy may attach to the servers' processes (benchmarks/pyspy.py)
-    servers = {"plain": SGLangServer(path, port=31000, extra_args=extra + ["--disable-cuda-graph"] + mem(0.15),
+    servers = {"plain_default": SGLangServer(path, port=31003, extra_args=extra + mem(0.12),
+                                             log_path=out / "bench-plain-default.log", env=env),
+               "plain": SGLangServer(path, port=31000, extra_args=extra + ["--disable-cuda-graph"] + mem(0.25),
                                      log_path=out / "bench-plain.log", env=env),
-               "bf16": capture_server(path, work / "bf16", aux, port=31001, extra_args=extra + mem(0.4),
+               "bf16": capture_server(path, work / "bf16", aux, port=31001, extra_args=extra + mem(0.45),
                                       log_path=out / "bench-capture-bf16.log", env=env),
-               "fp8": capture_server(path, work / "fp8", aux, port=31002, storage="fp8", extra_args=extra + mem(0.65),
+               "fp8": capture_server(path, work / "fp8", aux, port=31002, storage="fp8", extra_args=extra + mem(0.68),
                                      log_path=out / "bench-capture-fp8.log", env=env)}
-    servers = {k: v for k, v in servers.items() if k == "plain" or k in a.storages}
+    servers = {k: v for k, v in servers.items() if k.startswith("plain") or k in a.storages}
+    import random
+
+    serial = dict(random.Random(a.seed).sample(sorted(prompts.items()), min(a.serial_samples, len(prompts))))
     res = {"bench_prompts": len(prompts), "bench_tokens": n_tokens}
     try:
         for s in servers.values():
             s.start().wait_healthy()
         warm = dict(list(prompts.items())[:32])
-        plain_prefill(servers["plain"].url, warm, 32)
-        plain_prefill(servers[a.storages[0]].url, warm, 32)
+        for name in ("plain_default", "plain", a.storages[0]):
+            plain_prefill(servers[name].url, warm, 32)
         clients = {st: CaptureClient(servers[st].url, work / st) for st in a.storages}
         for client in clients.values():
             client.capture_many(((f"warm{k}", v) for k, v in warm.items()), 32)
@@ -160,12 +220,16 @@ def gpu(a):
         for rnd in range(a.rounds):
             profile = a.profile_seconds if rnd == a.rounds - 1 else 0
             for c in a.concurrency:
-                fresh_start()
-                spies = spy_on("plain", servers["plain"], out, profile) if c == a.concurrency[-1] else []
-                runs.setdefault(f"plain_conc{c}", []).append(plain_prefill(servers["plain"].url, prompts, c))
-                for sp in spies:
-                    sp.stop()
-                report(f"round {rnd} plain conc{c}", runs[f"plain_conc{c}"][-1])
+                for name in ("plain_default", "plain"):
+                    fresh_start()
+                    spies = spy_on(name, servers[name], out, profile) if c == a.concurrency[-1] else []
+                    runs.setdefault(f"{name}_conc{c}", []).append(plain_prefill(servers[name].url, prompts, c))
+                    for sp in spies:
+                        sp.stop()
+                    report(f"round {rnd} {name} conc{c}", runs[f"{name}_conc{c}"][-1])
+            fresh_start()
+            runs.setdefault("serial", []).append(plain_prefill(servers["plain_default"].url, serial, 1, max_new_tokens=1))
+            report(f"round {rnd} serial ({len(serial)} random prompts)", runs["serial"][-1])
             # the capture server answering requests it does not capture: the cost of the hooks being there at all
             fresh_start()
             runs.setdefault("hooked_no_capture", []).append(plain_prefill(servers[a.storages[0]].url, prompts,
@@ -178,7 +242,12 @@ def gpu(a):
                     fresh_start(work / storage)
                     spies = spy_on(storage, servers[storage], out, profile, client=True) if last else []
                     tps, dt, bad, markers = timed_capture(client, prompts, c)
+                    t_sync = time.time()
+                    os.sync()  # until the bytes are on disk: what a sample counted as done must mean
+                    durable = tps * dt / (dt + time.time() - t_sync)
                     report(f"round {rnd} capture {storage} conc{c}", tps)
+                    report(f"round {rnd} capture {storage} conc{c} durable", durable)
+                    runs.setdefault(f"durable_{storage}_conc{c}", []).append(float("nan") if bad else durable)
                     if bad:  # a pass whose captures failed measures nothing: say why, loudly
                         report(f"round {rnd} capture {storage} conc{c} FAILED captures", f"{len(bad)}, first: {bad[0]}")
                     for sp in spies:
@@ -195,18 +264,24 @@ def gpu(a):
                     if ok:
                         res[f"bytes_per_token_{storage}"] = sum(m["bytes"] for m in ok) / sum(m["n_tokens"] for m in ok)
         for name, values in runs.items():
-            res[f"{name}_tokens_per_s"] = max((v for v in values if v == v), default=0.0)  # NaN: failed pass
+            ok = [v for v in values if v == v]  # NaN: a failed pass
+            res[f"{name}_tokens_per_s"] = max(ok, default=0.0)
+            res[f"{name}_median_tokens_per_s"] = statistics.median(ok) if ok else 0.0
             res[f"{name}_rounds"] = " ".join(f"{v:,.0f}" for v in values)
         best_c = max(a.concurrency, key=lambda c: res[f"plain_conc{c}_tokens_per_s"])
         res["plain_prefill_tokens_per_s"] = res[f"plain_conc{best_c}_tokens_per_s"]
         best = {st: max(res[f"capture_{st}_conc{c}_tokens_per_s"] for c in a.concurrency) for st in clients}
         for storage, client in clients.items():
             res[f"capture_{storage}_status"] = json.dumps(client.status().get("rank0", {}).get("counts", {}))
-        serial = dict(list(prompts.items())[:a.serial_samples])
-        res["serial_tokens_per_s"] = plain_prefill(servers["plain"].url, serial, 1, max_new_tokens=1)
+        res["serial_tokens_per_s"] = res["serial_median_tokens_per_s"]
     finally:
         for s in servers.values():
             s.stop()
+    mean_tokens = n_tokens / len(prompts)
+    disk = measure_disk(work / "disk", gb=a.disk_gb, file_mb=res.get("bytes_per_token_bf16", 4616) * mean_tokens / 2**20)
+    res.update(disk)
+    res.update(summarize_rounds(runs, a.rounds, a.concurrency, list(clients), disk["disk_durable_bytes_per_s"],
+                                {st: res[f"bytes_per_token_{st}"] for st in clients}))
     for storage in ("bf16", "fp8"):
         if f"bytes_per_token_{storage}" not in res:  # storage not served in this run: its files' size, measured
             res[f"bytes_per_token_{storage}"] = reencoded_bytes_per_token(work / a.storages[0], storage)
@@ -257,7 +332,10 @@ def main(argv=None):
     p.add_argument("--storages", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"],
                    help="capture servers to run (the first is extract_tokens_per_s); a storage left out has its bytes "
                         "per token measured on re-encoded captures")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of all passes in turn; each pass reports its best")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of all passes in turn (ratios per round: median, "
+                   "spread)")
+    p.add_argument("--seed", type=int, default=0, help="which prompts the serial pass draws")
+    p.add_argument("--disk-gb", type=float, default=8, help="GB written to measure the disk's durable bandwidth")
     p.add_argument("--profile-seconds", type=float, default=8,
                    help="py-spy profiles of the last round's last-concurrency passes, seconds (0: none)")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])

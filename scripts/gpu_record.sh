@@ -13,6 +13,8 @@
 #   faults: tests/test_gpu_faults.py (#12: 256 requests in flight up to the context limit, every token checked, the
 #     check's negative controls on them; kill -9 of the server mid-extraction and resume) and the bad-input trial
 #     (eagle3kit trial), figures in the phase's metrics.json
+#   writerbench: benchmarks/writer_throughput.py --kimi, bf16 and fp8 (#13: the writer alone at hidden 7168, 4 slots;
+#     durable GB/s and the Kimi prefill it keeps up with), and benchmarks/disk_write.py on the same disk
 #   trainbench: benchmarks/train_throughput.py on the data phase's data set (eagle3kit's trainer alone on the GPU, and
 #     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free)
 #   E3K_TRAIN_MINUTES: the trainings' wall-clock budget (default 6); E3K_MAX_SAMPLES (2000); E3K_DATA_CONTROLS and
@@ -108,7 +110,13 @@ for what in ${1//,/ }; do
           [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done ;;
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
-    bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"; rc=${PIPESTATUS[0]} ;;
+    bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" --work /root/bench-work --rounds ${E3K_BENCH_ROUNDS:-3} --samples ${E3K_BENCH_SAMPLES:-1500} \
+          --profile-seconds 0 "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"
+        rc=${PIPESTATUS[0]}; rm -rf /root/bench-work
+        for s in bf16 fp8; do  # the writer alone at Kimi-K2.5's geometry, merged into the same metrics.json
+          python3 benchmarks/writer_throughput.py --kimi --forwards ${E3K_WB_FORWARDS:-40} --storage $s --dir /root/wb \
+            --out "$rec" 2>&1 | tee -a "$rec/writer.log"
+        done ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     faults) E3K_TEST_OUT="$rec" python3 -m pytest -m gpu -v -p no:cacheprovider --basetemp "$rec/tmp" tests/test_gpu_faults.py 2>&1 \
         | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]}
@@ -122,6 +130,12 @@ for what in ${1//,/ }; do
     trainbench) $stop python3 benchmarks/train_throughput.py --data /root/work/run/03_extract/data --out "$rec" --device cuda \
         --steps ${E3K_BENCH_STEPS:-40} --rounds ${E3K_BENCH_ROUNDS:-2} --timeout-s 150 --workers ${E3K_BENCH_WORKERS:-6} 2>&1 | tee "$rec/bench-stdout.log"; rc=${PIPESTATUS[0]}
         rm -rf "$rec/speculators_data" ;;  # its copy of the hidden states (GBs): the disk is shared with the next phases
+    writerbench) rc=0  # #13: the writer alone at Kimi-K2.5's geometry (GPU states, fp8 encoded in the hook), and the disk
+        for s in bf16 fp8; do
+          python3 benchmarks/writer_throughput.py --kimi --forwards ${E3K_WB_FORWARDS:-40} --storage $s --dir /root/wb \
+            --out "$rec" 2>&1 | tee -a "$rec/bench.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        done
+        python3 benchmarks/disk_write.py --dir /root/e3k-disk --gb 8 --file-mb 92 2>&1 | tee "$rec/disk.txt" ;;
     setup) rc=0; continue ;;  # only the installs above
   esac
   for d in "$rec"/run/03_extract/data; do  # what shows the run without tensors: manifest, replies, writers' status

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# A GPU session's plan in one background job on the lent machine (after ../shared/gpu's install): the phases of
+# scripts/gpu_record.sh in priority order, each with its own time limit, each archive in /root/records as it ends.
+# The device tool's calls are short (10 min) and an idle machine is taken back after ~30 s, so the chain runs
+# detached and each call polls it:
+#   start: export PYTHONPATH=/root/site:$PWD/src; bash scripts/gpu_record.sh setup;
+#          setsid nohup bash scripts/gpu_chain.sh > /root/chain.log 2>&1 < /dev/null &
+#   poll:  sleep 200; tail -5 /root/chain.log; cp /root/records/*.tgz $OUT/ 2>/dev/null
+# E3K_CHAIN: "phase:seconds ..." (a phase cut by its limit still archives what it wrote). The default is what the open
+# issues' must-shows still lack, in ~25 device minutes after the install: faults (#12: load + kill -9 + the bad-input
+# trial), family (#14: the tiny DeepSeek-V3 and Kimi-K2.5 under SGLang), bench (#13: fair baselines, durable, the
+# writer at hidden 7168). The drafter phases (data, train, serve: #10/#11) share /root/work, in that order.
+set -u
+export OUT=/root/records PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
+mkdir -p "$OUT"
+CHAIN=${E3K_CHAIN:-"faults:420 family:480 bench:600"}
+echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
+for item in $CHAIN; do
+  phase=${item%%:*} limit=${item#*:}
+  t0=$(date +%s)
+  echo "== $phase (limit $limit s) $(date -u +%H:%M:%S)"
+  E3K_TIMEOUT=$limit timeout -s KILL $((limit + 60)) bash scripts/gpu_record.sh "$phase"
+  echo "== $phase exit $? after $(( $(date +%s) - t0 )) s"
+  pkill -f sglang.launch_server 2>/dev/null; sleep 2  # a phase cut mid-run leaves no server holding the GPU
+done
+echo "chain done $(date -u +%H:%M:%S)"

@@ -1,0 +1,43 @@
+"""The capture benchmark's figures (benchmarks/extract_throughput.py, #13) from its passes' rounds: ratios within
+a round, their median and spread; the physical limit is whichever of SGLang's own prefill and the disk's durable
+bandwidth binds; a failed pass never counts. (The passes themselves need the GPU: scripts/gpu_record.sh bench.)"""
+import math
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from extract_throughput import summarize_rounds  # noqa: E402
+
+
+def _runs(nan_round=None):
+    runs = {"plain_default_conc64": [400.0, 380.0, 420.0], "plain_default_conc256": [410.0, 390.0, 400.0],
+            "plain_conc64": [380.0, 370.0, 400.0], "plain_conc256": [360.0, 350.0, 390.0],
+            "capture_bf16_conc64": [300.0, 290.0, 336.0], "capture_bf16_conc256": [310.0, 285.0, 330.0],
+            "durable_bf16_conc64": [200.0, 190.0, 210.0], "durable_bf16_conc256": [180.0, 170.0, 220.0],
+            "serial": [20.0, 25.0, 21.0]}
+    if nan_round is not None:
+        runs["capture_bf16_conc64"][nan_round] = runs["capture_bf16_conc256"][nan_round] = float("nan")
+    return runs
+
+
+def test_ratios_are_taken_per_round_and_reported_with_their_spread():
+    r = summarize_rounds(_runs(), 3, [64, 256], ["bf16"], disk_bytes_per_s=1e12, bytes_per_token={"bf16": 5000})
+    per_round = [310 / 410, 290 / 390, 336 / 420]  # each round's best concurrency, capture over plain (defaults)
+    assert r["ratio_vs_plain_default"] == pytest.approx(sorted(per_round)[1])
+    assert r["ratio_spread"] == pytest.approx((max(per_round) - min(per_round)) / sorted(per_round)[1])
+    assert r["ratio_vs_plain_default_rounds"] == " ".join(f"{v:.3f}" for v in per_round)
+    assert r["ratio_vs_serial_fair"] == pytest.approx(sorted([310 / 20, 290 / 25, 336 / 21])[1])
+    assert r["capture_limit_bf16_binds"] == "prefill" and r["rounds"] == 3  # a fast disk: the server binds
+    assert r["durable_ratio_vs_limit_bf16"] == pytest.approx(sorted([200 / 410, 190 / 390, 220 / 420])[1])
+
+
+def test_a_slow_disk_is_the_limit_and_a_failed_round_does_not_count():
+    r = summarize_rounds(_runs(nan_round=1), 3, [64, 256], ["bf16"], disk_bytes_per_s=1e6,
+                         bytes_per_token={"bf16": 5000})
+    assert r["capture_limit_bf16_binds"] == "disk" and r["capture_limit_bf16_tokens_per_s"] == pytest.approx(200)
+    assert r["durable_ratio_vs_limit_bf16"] == pytest.approx(sorted([1.0, 0.95, 1.1])[1])
+    assert len(r["ratio_vs_plain_default_rounds"].split()) == 2  # round 1's capture failed: two ratios, not three
+    assert not math.isnan(r["ratio_vs_plain_default"])
