@@ -178,6 +178,10 @@ def test_hook_errors_are_counted_not_raised(tmp_path):
     assert session.writer.ring.used > 0 and session.writer.counts["hook_us"] > 0  # time in the hooks, reported
     hook._guarded(session, "end", session.on_end, (torch.arange(3), torch.zeros(3, 8), None, fb))  # layer 3 missing
     assert session.writer.ring.used == 0 and session.writer.counts["errors"] == 3
+    # the failed forward's request gets an error marker at once: its client fails it now instead of waiting out its
+    # timeout, and a rerun (or extract's retry pass) captures it again
+    m = read_marker(tmp_path, "x")
+    assert m["status"] == "error" and "capture hook error in end" in m["reason"] and "did not fire" in m["reason"]
 
 
 def test_forward_hooks_json_targets_exact_decoder_layers(tmp_path):

@@ -104,6 +104,33 @@ def test_a_resume_repairs_what_fails_verification(tmp_path, extracted, samples, 
     assert extract(samples, out, ReferenceBackend(reference), settings(target_path), progress=False)["repaired"] == 0
 
 
+def test_a_failed_sample_is_named_and_tried_again_in_the_same_run(tmp_path, samples, reference, target_path, capsys):
+    """A capture that fails (a hook error's marker, say) is named and captured again once before the run ends; one
+    that fails twice is reported as failed, the others are kept."""
+    class Flaky(ReferenceBackend):
+        def __init__(self, ref, fail_times):
+            super().__init__(ref)
+            self.left = dict(fail_times)
+
+        def run(self, samples_dir, todo, on_done):
+            ok = []
+            for s in todo:
+                if self.left.get(s.key, 0) > 0:
+                    self.left[s.key] -= 1
+                    on_done(s.key, {"status": "error", "key": s.key, "reason": "capture hook error in layer 3: boom"})
+                else:
+                    ok.append(s)
+            super().run(samples_dir, ok, on_done)
+
+    keys = [s.key for s in samples]
+    out = tmp_path / "data"
+    summary = extract(samples, out, Flaky(reference, {keys[0]: 1, keys[1]: 2}), settings(target_path), progress=False)
+    assert summary["retried"] == 2 and summary["written"] == len(samples) - 1 and summary["failed"] == 1
+    assert [f["key"] for f in summary["failures"]] == [keys[1]]
+    assert f"capturing {keys[0]} again: error: capture hook error" in capsys.readouterr().out
+    assert set(read_manifest(out)) == set(keys) - {keys[1]}
+
+
 def test_preflight_refuses_what_does_not_fit(tmp_path, samples, monkeypatch):
     import shutil
     from collections import namedtuple

@@ -170,8 +170,9 @@ class SGLangBackend:
             self.server = None
 
 
-def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: bool = True) -> dict:
-    """Capture every sample not yet in the manifest; returns totals for metrics.json."""
+def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: bool = True, retries: int = 1) -> dict:
+    """Capture every sample not yet in the manifest (and those that fail verification); samples that fail get
+    ``retries`` more tries in the same run. Returns totals for metrics.json."""
     out_dir = Path(out_dir)
     if settings.get("storage") not in STORAGES:
         raise ValueError(f"storage {settings.get('storage')!r}: choose one of {STORAGES}")
@@ -197,7 +198,7 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
     todo = [s for s in samples if s.key not in done]
     est = preflight(todo, len(settings["layer_ids"]), settings["hidden_size"], settings["storage"], out_dir,
                     settings.get("final_normed", False))
-    totals = {"written": 0, "failed": 0, "tokens": 0, "bytes": 0}
+    totals = {"written": 0, "failed": 0, "tokens": 0, "bytes": 0, "retried": 0}
     failures = []
     if not todo:
         return {"samples": len(samples), "already_done": len(samples), "repaired": 0,
@@ -241,6 +242,15 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
     try:
         try:
             backend.run(samples_dir, todo, on_done)
+            again = {f["key"] for f in failures}
+            if again and retries:  # a sample that failed (a hook error, a server hiccup) gets one more try, named
+                for f in failures[:5]:
+                    print(f"[extract] capturing {f['key']} again: {f['status']}: {f['reason'][:200]}", flush=True)
+                print(f"[extract] {len(again)} failed samples: one more try", flush=True)
+                failures.clear()
+                totals["failed"] -= len(again)
+                totals["retried"] = len(again)
+                backend.run(samples_dir, [s for s in todo if s.key in again], on_done)
         except _Stop:
             full = True
         seconds = time.time() - t0

@@ -265,12 +265,28 @@ def _guarded(session: CaptureSession, where: str, fn, *args):
         if session.writer is not None:  # the scheduler's own time in the hooks, reported in the status file
             session.writer.counts["hook_us"] += int((time.perf_counter() - t) * 1e6)
     except Exception as e:  # noqa: BLE001 - never raise into SGLang
+        failed = session.cur
         try:
             session.abandon()
         except Exception:  # noqa: BLE001
             session.cur = None
         if session.writer is not None:
             session.writer.error(where, e)
+        try:  # the requests of the failed forward: an error marker each, so their clients fail them now (and retry)
+            _fail_requests(session, failed, f"capture hook error in {where}: {type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - the marker is a courtesy; the client's timeout still ends the wait
+            pass
+
+
+def _fail_requests(session: CaptureSession, forward, reason: str) -> None:
+    from eagle3kit.capture.format import write_marker
+
+    if forward is None or session.writer is None:
+        return
+    for span in {s.key: s for s in forward.sel.spans}.values():
+        write_marker(session.config["capture_dir"], span.key, session.rank,
+                     {"status": "error", "key": span.key, "rid": span.rid, "rank": session.rank, "reason": reason,
+                      "time": time.time()})
 
 
 def layer_hook(config: dict):
