@@ -154,8 +154,11 @@ def test_bad_settings_are_refused(bad, small_dataset, tmp_path):
 
 
 def test_bad_samples_are_skipped_and_counted_never_trained_on(small_dataset, tmp_path):
-    """A sample whose token ids are shifted by one (wrong file for the manifest) or whose states are not finite is
-    left out of its batch with a reason; the others train."""
+    """A sample whose token ids are shifted by one (wrong file for the manifest), whose states are not finite (both
+    written with a matching checksum: what a capture bug, not the disk, would make), or whose bytes changed after it
+    was written (a flipped bit, caught by the file's sha256 only) is left out of its batch with a reason; the others
+    train."""
+    import json
     import shutil
 
     from eagle3kit.capture.format import read_sample, write_sample
@@ -164,6 +167,7 @@ def test_bad_samples_are_skipped_and_counted_never_trained_on(small_dataset, tmp
     bad = tmp_path / "bad"
     shutil.copytree(small_dataset, bad)
     src = D.CaptureSource(bad, "train")
+    lines = (bad / "manifest.jsonl").read_text().splitlines()
     for i, how in ((0, "shift"), (1, "nan")):
         e = src.entries[i]
         t, meta = read_sample(bad / "samples" / e["file"])
@@ -172,13 +176,22 @@ def test_bad_samples_are_skipped_and_counted_never_trained_on(small_dataset, tmp
         else:
             t["hidden_states"] = t["hidden_states"].clone()
             t["hidden_states"][3, 0, 7] = float("nan")
-        write_sample(bad / "samples", e["key"], 0, t, meta, "bf16")
+        m = write_sample(bad / "samples", e["key"], 0, t, meta, "bf16")
+        lines = [json.dumps({**json.loads(x), "sha256": m["sha256"], "bytes": m["bytes"]})
+                 if json.loads(x)["key"] == e["key"] else x for x in lines]
+    (bad / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    f = bad / "samples" / src.entries[2]["file"]
+    blob = bytearray(f.read_bytes())
+    blob[-10] ^= 0xFF
+    f.write_bytes(bytes(blob))
+    src = D.CaptureSource(bad, "train")
     batches = D.plan([src.length(i) for i in range(len(src))], 10_000, None)
     got = list(D.PackedBatches(src, batches, 4, 576, 10_000))
     reasons = [r for _, _, skipped in got for r in skipped]
-    assert len(reasons) == 2 and "token ids differ" in reasons[0] and "non-finite" in reasons[1], reasons
+    assert len(reasons) == 3 and "token ids differ" in reasons[0] and "non-finite" in reasons[1], reasons
+    assert "checksum differs" in reasons[2], reasons
     rows = sum(b["input_ids"].shape[0] for _, b, _ in got if b is not None)
-    assert rows == sum(min(src.length(i), 10_000) - 1 for i in range(2, len(src)))
+    assert rows == sum(min(src.length(i), 10_000) - 1 for i in range(3, len(src)))
     s = train(TrainConfig(data=str(bad), out_dir=str(tmp_path / "t"), max_steps=2, **TINY))
     assert s["train_samples_skipped"] >= 1
 
