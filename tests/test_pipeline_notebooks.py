@@ -33,7 +33,10 @@ def test_demo_pipeline_small(tmp_path):
     assert m["verify_reference_checked"] == 2 and m["verify_reference_failed"] == 0  # 03: spot check
     status = json.loads((run_dir / "status.json").read_text())
     assert all(s["state"] == "ok" for s in status.values())
-    for step in status:
+    for step, st in status.items():
         text = (run_dir / step / f"{step}.ipynb").read_text()
-        # executed copies are readable: no per-file bars of transformers, our bars refresh at most every 30 s
-        assert "Loading weights" not in text and text.count("extract:") <= 4 and text.count("train:") <= 4, step
+        # executed copies are readable: no per-file bars of transformers; ours refresh at most every 30 s, so a
+        # step shows a few fragments per bar (start, end, one per 30 s), not hundreds
+        most = 4 + int(st["seconds"] // 30)
+        assert "Loading weights" not in text, step
+        assert text.count("extract:") <= most and text.count("train:") <= most, (step, most)
