@@ -13,7 +13,7 @@
 set -u
 export OUT=/root/records PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
 mkdir -p "$OUT"
-CHAIN=${E3K_CHAIN:-"faults:420 family:480 bench:600"}
+CHAIN=${E3K_CHAIN:-"faults:420 family:720 bench:600"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   phase=${item%%:*} limit=${item#*:}

@@ -478,8 +478,8 @@ def test_experiment_summary_per_backend_and_controls(tmp_path):
     plain default; a failed optional server is counted apart from the required ones."""
     from eagle3kit.acceptance import experiment
 
-    plan = experiment.OnlinePlan(target="t", drafter="d", controls={"engine": "e"}, sweep_steps=(1, 3), trees=(),
-                                 backends=("flashinfer",), concurrencies=(1,))
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", controls={"engine": "e"}, sweep_steps=(1, 3),
+                                 trees=(), backends=("flashinfer",), concurrencies=(1,))
     names = [s.name for s in experiment.servings(plan, tmp_path)]
     assert names == ["plain", "main", "steps1", "engine", "offbyone", "plain-flashinfer", "main-flashinfer", "proof"]
     srv = {"plain": _measured([100.0]), "main": _measured([150.0], [2.4]), "engine": _measured([90.0], [1.3]),
@@ -495,6 +495,22 @@ def test_experiment_summary_per_backend_and_controls(tmp_path):
     assert m["offline_online_rel_gap"] == pytest.approx(0.1 / 2.4)
     assert not any(k.startswith(("plain-", "main-")) for k in m)
     assert m["online_servers_failed"] == 1 and m["online_required_servers_failed"] == 0
+    assert m["doctor_verified_families"] == "" and m["doctor_target_model_type"] == "llama"  # no proof ran
+
+
+@pytest.mark.parametrize("target,family", [("embedded:smollm2", "llama"), ("embedded:deepseek-v3-tiny", "deepseek")])
+def test_the_verified_family_is_the_rule_sglang_applied_to_the_served_target(target, family):
+    """doctor_verified_families names the layer-id rule of the target that was served (Llama's, or DeepSeek/Kimi's
+    of deepseek_v2.py), and only when both the export and the off-by-one control were identified by value."""
+    from eagle3kit.acceptance import experiment
+
+    plan = experiment.OnlinePlan(target=target, drafter="d", sweep_steps=(), trees=(), concurrencies=(1,))
+    proof = {"doctor_verified": True, "doctor_ok": True, "fed_layer_ids": [2, 4, 6], "fed_layer_rel_err": [0.01]}
+    results = {"servers": {}, "failed": {}}
+    m = experiment.summarize(plan, results, {"proof": proof, "offbyone": {**proof, "doctor_ok": False}}, {})
+    assert m["doctor_verified_families"] == family
+    m = experiment.summarize(plan, results, {"proof": proof, "offbyone": {**proof, "doctor_verified": False}}, {})
+    assert m["doctor_verified_families"] == ""
 
 
 def test_outputs_compared_to_plain_by_identity_and_common_prefix():

@@ -1,7 +1,8 @@
 """The users' family on the CPU (#14): the tiny DeepSeek-V3 made here is what SGLang and transformers expect (MLA
 sizes SGLang's triton kernels assume, per-expert weight names, the config keys deepseek_v2.py reads), and the
 capture steps run on it end to end (params/cpu-deepseek-tiny.yaml: target, TP check over 2 gloo ranks, capture
-spec, extraction with the reference check)."""
+spec, extraction with the reference check, a drafter trained and exported under the family's layer-id rule, its
+offline acceptance)."""
 import json
 import os
 import subprocess
@@ -57,12 +58,16 @@ def test_capture_steps_run_on_the_tiny_deepseek(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     status = json.loads((out / "status.json").read_text())
-    assert all(s["state"] == "ok" for s in status.values()) and len(status) == 4, status
+    assert all(s["state"] == "ok" for s in status.values()) and len(status) == 6, status
     m = json.loads((out / "metrics.json").read_text())
     assert m["target_model_type"] == "deepseek_v3" and m["tp_ranks"] == 2 and m["tp_check_run"]
     assert m["tp_bitwise_equal_fraction"] == 1.0 and m["capture_mismatches"] == 0
     assert m["negative_controls_caught"] == m["negative_controls_total"] == 5
     assert m["extract_failed"] == 0 and m["verify_reference_failed"] == 0 and m["extract_verified"] > 0
+    # a drafter for the family, exported with deepseek_v2.py's rule (aux [2, 4, 5] stay as they are: +1 only when the
+    # first id is 1), the doctor passing it, and its offline figures (noise on random weights, but computed)
+    assert m["train_steps"] == 20 and m["export_doctor_ok"] and m["export_loadback_max_rel_err"] < 0.05
+    assert m["offline_tau_3"] >= m["offline_tau_1"] >= 1.0
 
 
 def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_path):

@@ -301,8 +301,14 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             m[f"{pre}doctor_ok"] = bool(p["doctor_ok"])
             m[f"{pre}fed_layer_ids"] = ",".join(map(str, p["fed_layer_ids"]))
             m[f"{pre}fed_layer_max_rel_err"] = max(p["fed_layer_rel_err"])
-    verified = [f for f, ok in (("llama", m.get("doctor_verified")),) if ok]
-    m["doctor_verified_families"] = ",".join(verified)
+    from eagle3kit.layers import sglang_convention
+    from eagle3kit.target import TargetInfo, resolve_target
+
+    model_type = TargetInfo.read(resolve_target(plan.target)).model_type
+    family = sglang_convention(model_type).removeprefix("sglang_")  # the rule SGLang applied: llama or deepseek
+    m["doctor_target_model_type"] = model_type
+    m["doctor_verified_families"] = family if m.get("doctor_verified") and m.get("offbyone_doctor_verified", True) \
+        else ""
     for name, match in results.get("outputs_match_plain", {}).items():
         m[f"{name}_outputs_identical_to_plain"] = match["identical"]
         m[f"{name}_common_prefix_with_plain"] = match["common_prefix"]
