@@ -156,6 +156,7 @@ def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens,
     out = Path(out_dir)
     need(not out.exists() or out.is_dir(), f"--out {out} is a file; give a folder (it is created if missing)")
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    need(probe.is_dir(), f"--out {out}: {probe} is a file, so no folder can be made under it; choose another --out")
     need(os.access(probe, os.W_OK), f"--out {out}: {probe} is not writable; choose a folder you can write to")
 
 

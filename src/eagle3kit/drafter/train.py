@@ -393,6 +393,8 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     cfg.validate()
     dist = dist or Dist.from_env()
     out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"out_dir {out} is a file; give a folder (it is created if missing)")
     _check_resume(out, cfg)
     if dist.world > 1:
         import torch.distributed as tdist
