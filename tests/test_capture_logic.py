@@ -190,6 +190,10 @@ def test_forward_hooks_json_targets_exact_decoder_layers(tmp_path):
     assert [s["target_modules"] for s in specs] == [["model.layers.1"], ["model.layers.14"], ["model.layers.26"],
                                                     ["model.layers.29"], ["logits_processor"]]
     assert all(s["hook_factory"].startswith("eagle3kit.capture.hook:") for s in specs)
+    # a wrapper (Kimi-K2.5) keeps layers and logits processor under its language model; SGLang matches names exactly
+    wrapped = forward_hooks(cfg, "language_model.model.layers.{}")
+    assert [s["target_modules"] for s in wrapped][-2:] == [["language_model.model.layers.29"],
+                                                          ["language_model.logits_processor"]]
     with pytest.raises(ValueError, match="out of range"):
         capture_config(tmp_path, [0, 30], 30)
 
@@ -284,3 +288,18 @@ def test_writer_releases_a_job_only_once_its_files_are_written(tmp_path):
     assert [tag for tag, _ in released] == [0, 1] and st["counts"]["written"] == 2
     t, _ = read_sample(tmp_path / "k1.rank0.safetensors")
     assert torch.equal(t["hidden_states"].float(), torch.cat([expected_k1, rest]).bfloat16().float())
+
+
+def test_capture_layout_under_dp_attention():
+    """Plain TP: TP ranks (rank 0 writes). DP attention with one GPU per group (tp8 dp8): every GPU is attention-TP
+    rank 0 of its own group and writes its group's requests, status per group. More GPUs per group, or two-batch
+    overlap: refused with the fix (their layer outputs or hooks do not hold every row)."""
+    from eagle3kit.capture.hook import capture_layout
+
+    assert capture_layout(3, 8, None, None) == (3, 8, None, None)
+    assert capture_layout(5, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 5, "cp_rank": 0}) == (0, 1, 5, None)
+    rank, size, dp, refused = capture_layout(5, 8, None, {"tp_rank": 1, "tp_size": 4, "dp_rank": 1, "cp_rank": 0})
+    assert (rank, size, dp) == (1, 4, 1) and "Fix: --dp equal to --tp" in refused
+    refused = capture_layout(2, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 2, "two_batch_overlap": True})[3]
+    assert "two-batch-overlap" in refused
+    assert capture_layout(2, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 2, "cp_rank": 1})[0] != 0

@@ -64,9 +64,16 @@ def forward_hooks(config: dict, layer_module: str = "model.layers.{}") -> list[d
     layers = sorted({k - 1 for k in slot_layers(config)})
     specs = [{"name": f"eagle3kit_layer{j}", "target_modules": [layer_module.format(j)],
               "hook_factory": f"{FACTORY}:layer_hook", "config": {**config, "layer": j}} for j in layers]
-    specs.append({"name": "eagle3kit_end", "target_modules": ["logits_processor"],
+    specs.append({"name": "eagle3kit_end", "target_modules": [end_module(layer_module)],
                   "hook_factory": f"{FACTORY}:end_hook", "config": config})
     return specs
+
+
+def end_module(layer_module: str = "model.layers.{}") -> str:
+    """The logits processor beside the decoder layers: SGLang matches ``--forward-hooks`` names exactly, and a wrapper
+    keeps its language model's under the same prefix (Kimi-K2.5: ``language_model.logits_processor``)."""
+    prefix = layer_module.rsplit("model.layers", 1)[0] if "model.layers" in layer_module else ""
+    return f"{prefix}logits_processor"
 
 
 class _Forward:
@@ -124,6 +131,8 @@ class CaptureSession:
             self.writer.note("forwards_abandoned")
             self.abandon()
         if fb.forward_mode != self.extend_mode or fb.rids is None:
+            return None
+        if getattr(fb, "_original_forward_mode", None) is not None:  # a DECODE/IDLE batch SGLang dressed as EXTEND
             return None
         sel = select_rows(fb.rids, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, self.prefix)
         for kind, n in sel.ignored.items():
@@ -236,11 +245,55 @@ def _session(config: dict) -> CaptureSession:
         except Exception:  # noqa: BLE001 - not initialised: a single process
             rank, size = 0, 1
         allow_profiler()
-        dp = dp_rank()
-        _SESSIONS[key] = CaptureSession(config, rank, size, ForwardMode.EXTEND, ForwardBatch, dp_rank=dp)
-        log.info("eagle3kit capture: rank %d/%d dp %s active=%s layers=%s -> %s", rank, size, dp,
-                 _SESSIONS[key].active, slot_layers(config), key)
+        rank, size, dp, refused = capture_layout(rank, size, dp_rank(), _dp_attention())
+        session = _SESSIONS[key] = CaptureSession(config, rank, size, ForwardMode.EXTEND, ForwardBatch, dp_rank=dp)
+        if refused and session.writer is not None:  # no capture, said where the client and the probe read it
+            session.writer.error("setup", RuntimeError(refused))
+            session.active = False
+        log.info("eagle3kit capture: rank %d/%d dp %s active=%s layers=%s -> %s%s", rank, size, dp,
+                 session.active, slot_layers(config), key, f" REFUSED: {refused}" if refused else "")
     return _SESSIONS[key]
+
+
+def _dp_attention() -> dict | None:
+    """SGLang's DP-attention layout of this process (``layers/dp_attention.py``), or None when it is off."""
+    try:
+        from sglang.srt.layers import dp_attention as dpa
+        from sglang.srt.server_args import get_global_server_args
+
+        if not dpa.is_dp_attention_enabled():
+            return None
+        args = get_global_server_args()
+        return {"tp_rank": dpa.get_attention_tp_rank(), "tp_size": dpa.get_attention_tp_size(),
+                "dp_rank": dpa.get_attention_dp_rank(), "cp_rank": dpa.get_attention_cp_rank(),
+                "two_batch_overlap": bool(getattr(args, "enable_two_batch_overlap", False))}
+    except Exception:  # noqa: BLE001 - an SGLang without these: no DP attention as far as we can tell
+        return None
+
+
+def capture_layout(tp_rank: int, tp_size: int, dp: int | None, dpa: dict | None) -> tuple:
+    """(rank, group size, DP index, refusal or None) the capture session runs with.
+
+    Plain TP: every TP rank holds the same full hidden states; ranks are TP ranks (rank 0 writes by default), ``dp``
+    is SGLang's ``--dp`` worker. Under DP attention (``--enable-dp-attention``) each attention-DP group serves its own
+    requests (SGLang 0.5.14 routes each request whole to one group, and a group's ForwardBatch holds only its rows),
+    so the rank that matters is the attention-TP rank: rank 0 of every group writes its group's requests, files and
+    markers named ``rank0`` (a request is served by one group: no name collides), status per group (``dp``). With an
+    attention-TP group of more than one GPU a layer's output may be split across its ranks (SCATTERED under DeepEP or
+    --moe-dense-tp-size 1): refused, fix dp = tp. Two-batch overlap runs MoE layers without their module hooks:
+    refused."""
+    if dpa is None:
+        return tp_rank, tp_size, dp, None
+    refused = None
+    if dpa["tp_size"] > 1:
+        refused = (f"capture under --enable-dp-attention needs one GPU per attention-DP group (dp = tp); this server "
+                   f"has {dpa['tp_size']} per group, whose layer outputs may be split across them. Fix: --dp equal "
+                   f"to --tp")
+    elif dpa.get("two_batch_overlap"):
+        refused = ("capture cannot run with --enable-two-batch-overlap: its MoE layers run without their module "
+                   "hooks. Fix: leave it off for the capture server")
+    rank = dpa["tp_rank"] if dpa.get("cp_rank", 0) == 0 else max(1, dpa["tp_rank"])  # context-parallel peers: no writer
+    return rank, dpa["tp_size"], dpa["dp_rank"], refused
 
 
 def dp_rank(title: str | None = None) -> int | None:
