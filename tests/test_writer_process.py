@@ -86,7 +86,10 @@ def test_a_dead_writer_process_stops_captures_not_the_server(tmp_path):
     hook._guarded(session, "end", session.on_end, (torch.arange(3), states[4], None, fb))
     st = session.writer.status()
     assert st["counts"]["writer_process_exits"] == 1 and "exit code -9" in st["last_error"]
-    assert session.writer.counts["errors"] >= 1 and read_marker(tmp_path, "x") is None
+    # the request is not captured: its marker says so at once (the client fails it now, not after its timeout)
+    m = read_marker(tmp_path, "x")
+    assert session.writer.counts["errors"] >= 1 and m["status"] == "error" and "capture hook error" in m["reason"]
+    assert not (tmp_path / "x.rank0.safetensors").exists()
 
 
 def test_two_data_parallel_writers_share_a_folder_and_its_journal(tmp_path):

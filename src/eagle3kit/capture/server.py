@@ -159,7 +159,12 @@ def probe_capture(url: str, capture_dir, timeout: float = 120) -> None:
         for f in Path(capture_dir).glob(f"{PROBE_KEY}.rank*"):
             f.unlink(missing_ok=True)
     if m.get("status") != "ok":
-        raise ServerError(f"the capture server at {url} did not capture a probe request ({m.get('reason', m)}). "
+        try:  # what the writers said (a capture refused at setup, e.g. under DP attention, says why there)
+            said = "; ".join(f"{w}: {s['last_error']}" for w, s in client.status().items() if s.get("last_error"))
+        except Exception:  # noqa: BLE001 - no status to add
+            said = ""
+        raise ServerError(f"the capture server at {url} did not capture a probe request ({m.get('reason', m)})"
+                          + (f"; the capture writers report: {said[:600]}" if said else "") + ". "
                           f"If its decoder layers are not named like the hooks' template, pass layer_module= "
                           f"(see capture.server.WRAPPED_LAYERS); the server log says which modules exist")
 
