@@ -118,12 +118,12 @@ for what in ${1//,/ }; do
             --out "$rec" 2>&1 | tee -a "$rec/writer.log"
         done ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
-    faults) E3K_TEST_OUT="$rec" python3 -m pytest -m gpu -v -p no:cacheprovider --basetemp "$rec/tmp" tests/test_gpu_faults.py 2>&1 \
-        | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]}
-        rm -rf "$rec/tmp"  # the tests' captures (GBs)
-        # the bad-input trial on this machine too (eagle3kit.trial; CPU work), its figures merged into metrics.json
+    faults) rc=0  # the bad-input trial first (CPU work, minutes), its figures merged into the phase's metrics.json
         python3 -m eagle3kit.cli trial --folder /root/trial --metrics "$rec/metrics.json" 2>&1 | tee "$rec/trial.log"
-        [ "${PIPESTATUS[0]}" = 0 ] || rc=1; cp /root/trial/trial.jsonl "$rec/" ;;
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1; cp /root/trial/trial.jsonl "$rec/"; rm -rf /root/trial
+        E3K_TEST_OUT="$rec" $stop python3 -m pytest -m gpu -v -p no:cacheprovider --basetemp "$rec/tmp" tests/test_gpu_faults.py 2>&1 \
+        | tee "$rec/pytest.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        rm -rf "$rec/tmp" ;;  # the tests' captures (GBs)
     drafter-test) E3K_TEST_OUT="$rec" python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_drafter.py 2>&1 \
         | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     data|train|serve) drafter_phase "$what" "$rec"; rc=$? ;;
