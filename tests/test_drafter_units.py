@@ -441,3 +441,32 @@ def test_epoch_plan_has_the_same_number_of_batches_every_epoch():
     assert b[len(plan(lengths, 1024, 0, e)):] == plan(lengths, 1024, 0, e)[: n - counts[e]]  # its own first batches
     with pytest.raises(ValueError, match="no sample"):
         epoch_plan([1, 1], 1024, 0, 0, 3)
+
+
+def test_the_serving_walk_counts_what_sglang_accepts_not_the_position_average():
+    """Easy and hard stretches of a reply, 8 positions each: at an easy position every draft is right, at a hard one
+    none. Serving (chain of 3) spends 2 rounds on an easy stretch and 8 on a hard one: 16 tokens in 10 rounds, an
+    accept length of 1.6, while tau, averaging positions alike, says 2.5. All right: n + 1; none right: 1."""
+    from eagle3kit.drafter.objective import Teacher, serving_walk
+    from eagle3kit.drafter.ttt import shifted
+
+    S, V, steps = 16 * 20 + 4, 50, 3
+    token = torch.randint(1, V, (S,), generator=torch.Generator().manual_seed(0))
+    t = Teacher(token, token, torch.zeros(S, V))
+    mask, doc, ids = torch.ones(S, dtype=torch.long), torch.zeros(S, dtype=torch.long), torch.arange(V)
+
+    def logits_for(easy):
+        out = []
+        for k in range(steps):
+            want = shifted(token, k, 0)
+            pick = torch.where(easy, want, (want + 1) % V)
+            out.append(torch.nn.functional.one_hot(pick, V).float())
+        return out
+    blocks = (torch.arange(S) // 8) % 2 == 0
+    walk = serving_walk(logits_for(blocks), t, mask, doc, ids)
+    assert walk[2, 0] / walk[2, 1] == pytest.approx(1.6, abs=0.02)
+    assert walk[0, 0] / walk[0, 1] == pytest.approx(16 / 12, abs=0.02)  # n = 1: 4 rounds easy, 8 hard
+    every = serving_walk(logits_for(torch.ones(S, dtype=torch.bool)), t, mask, doc, ids)
+    assert every[2, 0] / every[2, 1] > 3.9 and every[0, 0] / every[0, 1] > 1.95
+    none = serving_walk(logits_for(torch.zeros(S, dtype=torch.bool)), t, mask, doc, ids)
+    assert (none[:, 0] == none[:, 1]).all()

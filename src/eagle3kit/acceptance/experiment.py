@@ -254,6 +254,11 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         m["offline_tau"] = main_off[f"offline_tau_{s}"]
         if m.get("online_accept_length"):
             m["offline_online_rel_gap"] = abs(m["offline_tau"] - m["online_accept_length"]) / m["online_accept_length"]
+    if f"offline_walk_accept_length_{s}" in main_off:  # serving's own count offline: the like-for-like comparison
+        m["offline_walk_accept_length"] = main_off[f"offline_walk_accept_length_{s}"]
+        if m.get("online_accept_length"):
+            m["offline_walk_online_rel_gap"] = (abs(m["offline_walk_accept_length"] - m["online_accept_length"])
+                                                / m["online_accept_length"])
     plain1 = srv.get("plain", {}).get("by_concurrency", {}).get(1, {}).get("output_tokens_per_s_median")
     for b in plan.backends:  # the same comparison within another attention backend (batch 1)
         p, q = (srv.get(f"{w}-{b}", {}).get("by_concurrency", {}) for w in ("plain", "main"))

@@ -5,6 +5,8 @@ regenerated data (``extract --regenerate``) those tokens are the target's greedy
 exactly when serving would accept it (``greedy_path_fraction`` says how closely the data follows that path).
 Per position k: ``acc_pos{k}`` (accepted through k), ``cond_acc_pos{k}`` (accepted at k given accepted before);
 ``tau_{n} = 1 + sum_{k<n} prod_{i<=k} cond_acc_i`` for chains of n steps, bonus token included.
+``walk_accept_length_{n}``: serving's own count, walking each reply round by round (``objective.serving_walk``): the
+offline figure comparable with SGLang's accept length (tau weighs every position alike; serving revisits hard ones).
 """
 from __future__ import annotations
 
@@ -50,10 +52,15 @@ def evaluate_drafter(drafter_dir, data, steps: int = 7, split: str = "heldout", 
     from eagle3kit.drafter.train import evaluate
 
     run = evaluation_run(drafter_dir, data, split, tokens_per_batch, device)
-    counts = evaluate(run, steps, max_batches=max_batches)
+    walk = torch.zeros(steps, 2, dtype=torch.float64)
+    counts = evaluate(run, steps, max_batches=max_batches, walk=walk)
     if not counts.valid[0]:
         raise ValueError(f"{data} ({split}): no loss-masked rows to evaluate (no assistant tokens?)")
-    return counts.metrics("offline_")
+    m = counts.metrics("offline_")
+    for n in range(1, steps + 1):  # what serving would accept walking each reply (see objective.serving_walk)
+        tokens, rounds = walk[n - 1].tolist()
+        m[f"offline_walk_accept_length_{n}"] = tokens / rounds if rounds else 1.0
+    return m
 
 
 def plot(metrics: dict, title: str, path=None, prefix: str = "offline_"):

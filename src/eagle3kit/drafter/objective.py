@@ -156,3 +156,31 @@ def chain_counts(step_logits, t: Teacher, loss_mask, doc_ids, input_ids, vocab_i
     """Acceptance counts of one packed row (``chain_count_tensor`` read back)."""
     return ChainCounts.from_tensor(len(step_logits), chain_count_tensor(step_logits, t, loss_mask, doc_ids, input_ids,
                                                                         vocab_ids, most_frequent, losses).cpu())
+
+
+@torch.no_grad()
+def serving_walk(step_logits, t: Teacher, loss_mask, doc_ids, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """What serving would accept along each held-out reply: [steps, 2] float64 (tokens, verify rounds) for chains of
+    n = 1..steps drafts. A round starts at a position of a reply, accepts the run of consecutive correct drafts from
+    there (at most n) plus the bonus token, and the next round starts right after them, as SGLang's chain decoding
+    does. tokens / rounds is SGLang's accept length (1 + correct drafts / verify rounds). Unlike tau, which averages
+    every position alike, the walk visits hard stretches (one token per round) more often than easy ones, so it is
+    the offline figure to hold against the online accept length."""
+    steps = len(step_logits)
+    run, accepted = torch.zeros_like(t.token), None
+    for k, logits in enumerate(step_logits):
+        correct = (vocab_ids[logits.argmax(-1)] == shifted(t.token, k, -1)) & valid_rows(loss_mask, doc_ids, k)
+        accepted = correct if accepted is None else accepted & correct
+        run += accepted.long()
+    start = valid_rows(loss_mask, doc_ids, 0).cpu().tolist()
+    run = run.cpu().tolist()
+    out = torch.zeros(steps, 2, dtype=torch.float64)
+    for n in range(1, steps + 1):
+        tokens = rounds = 0
+        nxt = 0
+        for r, ok in enumerate(start):
+            if ok and r >= nxt:
+                a = min(run[r], n)
+                tokens, rounds, nxt = tokens + a + 1, rounds + 1, r + a + 1
+        out[n - 1, 0], out[n - 1, 1] = tokens, rounds
+    return out

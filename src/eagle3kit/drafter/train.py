@@ -28,7 +28,8 @@ import torch
 
 from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
-from eagle3kit.drafter.objective import LOSSES, ChainCounts, chain_count_tensor, step_loss, teacher, valid_rows
+from eagle3kit.drafter.objective import (LOSSES, ChainCounts, chain_count_tensor, serving_walk, step_loss, teacher,
+                                         valid_rows)
 
 RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "eval_every", "max_minutes", "out_dir"}  # may differ
 # on a resume (out_dir: a run folder moved or renamed resumes)
@@ -270,9 +271,10 @@ def _autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = True):
+def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = True, walk: torch.Tensor | None = None):
     """TTT forward of one packed batch: (weighted loss, counts in ``ChainCounts.as_tensor`` layout on the device).
-    Nothing here waits for the GPU: counts are summed on the device and read once per optimizer step."""
+    Nothing here waits for the GPU: counts are summed on the device and read once per optimizer step. ``walk``
+    (evaluation only: it reads the rows on the host): ``serving_walk``'s tokens and rounds are added to it."""
     cfg = run.cfg
     b = _to(batch, run.device)
     t = teacher(run.head, b["final"], run.vocab_ids, run.t2d_index)
@@ -288,12 +290,16 @@ def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = T
     with torch.no_grad():
         counts = chain_count_tensor([x.detach() for x in step_logits], t, b["loss_mask"], b["doc_ids"], b["input_ids"],
                                     run.vocab_ids, run.most_frequent, losses)
+        if walk is not None:
+            walk += serving_walk(step_logits, t, b["loss_mask"], b["doc_ids"], run.vocab_ids)
     return total, counts
 
 
 @torch.no_grad()
-def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int | None = None) -> ChainCounts:
-    """Chained acceptance over a held-out source (every rank its share; counts summed over ranks)."""
+def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int | None = None,
+             walk: torch.Tensor | None = None) -> ChainCounts:
+    """Chained acceptance over a held-out source (every rank its share; counts summed over ranks); ``walk``: a
+    [steps, 2] tensor that also sums ``serving_walk`` (this rank's rows)."""
     source = source if source is not None else run.heldout_src
     steps = steps or run.cfg.eval_steps or run.cfg.ttt_steps
     if source is None:
@@ -310,7 +316,7 @@ def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int |
     for _, batch, _ in D.loader(source, batches, run.info.n_states, run.info.hidden_size, run.cfg.tokens_per_batch,
                                 rank=run.dist.rank, world=run.dist.world, workers=0):
         if batch is not None:
-            total += forward_batch(run, module, batch, steps, with_loss=False)[1]
+            total += forward_batch(run, module, batch, steps, with_loss=False, walk=walk)[1]
     run.model.train(was)
     total = run.dist.all_sum(total).cpu()
     return ChainCounts.from_tensor(steps, total)
