@@ -110,10 +110,10 @@ def main(argv=None):
         print(f"{k:26s} {v:,.3f}" if isinstance(v, float) else f"{k:26s} {v}")
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        path = Path(a.out) / "metrics.json"
-        old = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**old, **{f"{k}_{a.storage}" if k in PER_STORAGE else k: v
-                                              for k, v in res.items()}}, indent=1, sort_keys=True))
+        from eagle3kit.metrics import update_json
+
+        update_json(Path(a.out) / "metrics.json", {f"{k}_{a.storage}" if k in PER_STORAGE else k: v
+                                                   for k, v in res.items()})
     session.writer.close()
     shutil.rmtree(d, ignore_errors=True)
     return 0

@@ -303,3 +303,28 @@ def test_capture_layout_under_dp_attention():
     refused = capture_layout(2, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 2, "two_batch_overlap": True})[3]
     assert "two-batch-overlap" in refused
     assert capture_layout(2, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 2, "cp_rank": 1})[0] != 0
+
+
+def test_a_refused_session_says_why_and_a_dressed_up_batch_is_not_captured(tmp_path):
+    """A session refused at setup (DP attention with several GPUs per group, say) is inactive and its reason is in
+    the status the client and the probe read. A DECODE/IDLE batch SGLang dressed as EXTEND
+    (``_original_forward_mode`` set) is skipped; the same batch without it is captured."""
+    from eagle3kit.capture import hook
+
+    cfg = capture_config(tmp_path, [2], 4)
+    session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
+    states = [torch.randn(3, 8) for _ in range(5)]
+
+    def forward(fb):
+        for j in sorted(session.layer_slots):
+            hook._guarded(session, f"layer {j}", session.on_layer, j, (None, states[j + 1], fb, None),
+                          (states[j + 1], None))
+        hook._guarded(session, "end", session.on_end, (torch.arange(3), states[4], None, fb))
+    dressed = fake_batch(Mode.EXTEND, [make_rid("d", 3)], [3], [0], torch.arange(3))
+    dressed._original_forward_mode = Mode.DECODE
+    forward(dressed)
+    forward(fake_batch(Mode.EXTEND, [make_rid("x", 3)], [3], [0], torch.arange(3)))
+    session.writer.flush()
+    assert read_marker(tmp_path, "d") is None and read_marker(tmp_path, "x")["status"] == "ok"
+    session.refuse("capture under --enable-dp-attention needs dp = tp")
+    assert not session.active and "needs dp = tp" in session.writer.flush()["last_error"]  # the status file

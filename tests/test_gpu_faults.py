@@ -28,11 +28,9 @@ LOAD_REQUESTS = int(os.environ.get("E3K_LOAD_REQUESTS", "256"))
 
 
 def _record(**figures) -> None:
-    out = Path(os.environ.get("E3K_TEST_OUT", "."))
-    path = out / "metrics.json"
-    m = json.loads(path.read_text()) if path.exists() else {}
-    m.update(figures)
-    path.write_text(json.dumps(m, indent=1, sort_keys=True, default=str))
+    from eagle3kit.metrics import update_json
+
+    update_json(Path(os.environ.get("E3K_TEST_OUT", ".")) / "metrics.json", figures)
     print(figures, flush=True)
 
 

@@ -141,10 +141,10 @@ def _trial(a):
 
     cases = [c for c in CASES if not a.only or any(w in c.name for w in a.only)]
     m = run_trial(a.folder, cases)
-    paths = [Path(a.folder) / "metrics.json"] + ([Path(a.metrics)] if a.metrics else [])
-    for path in paths:
-        old = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**old, **m}, indent=1, sort_keys=True))
+    from eagle3kit.metrics import update_json
+
+    for path in [Path(a.folder) / "metrics.json"] + ([Path(a.metrics)] if a.metrics else []):
+        update_json(path, m)
     print(f"{m['bad_inputs_handled']} of {m['bad_inputs_tried']} bad inputs handled (refused with the input named: "
           f"{m['bad_inputs_refused']}, counted and reported: {m['bad_inputs_counted']})"
           + (f"; NOT handled: {m['bad_inputs_unhandled']}" if m["bad_inputs_unhandled"] else ""))

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3kit.store import StoreError, leaves_no_partial_dest, load_checked, read_manifest
+from eagle3kit.store import StoreError, leaves_no_partial_dest, load_checked, new_folder, read_manifest
 
 
 def _entries(out_dir, split):
@@ -63,13 +63,7 @@ def _done(out: dict, skipped: list) -> dict:
 
 
 def _fresh(dest: Path) -> Path:
-    dest = Path(dest)
-    if dest.exists() and not dest.is_dir():
-        raise StoreError(f"{dest} is a file: export into a new folder (nothing was changed)")
-    if dest.exists() and any(dest.iterdir()):
-        raise StoreError(f"{dest} is not empty: export into a new folder (nothing was changed)")
-    dest.mkdir(parents=True, exist_ok=True)
-    return dest
+    return new_folder(dest, "export")
 
 
 @leaves_no_partial_dest

@@ -17,8 +17,8 @@ from pathlib import Path
 from eagle3kit.capture.format import STORAGES
 from eagle3kit.data.conversations import load_conversations, split_of
 from eagle3kit.data.render import mask_spans, render
-from eagle3kit.store import (ManifestWriter, StoreError, check_settings, compact_manifest, failing_entries,
-                             read_manifest, token_sha256)
+from eagle3kit.store import (ManifestWriter, StoreError, check_settings, compact_manifest, read_manifest,
+                             token_sha256, verify)
 
 
 class PreflightError(RuntimeError):
@@ -187,8 +187,9 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
         if s is not None and e["token_sha256"] != token_sha256(s.input_ids):
             raise StoreError(f"sample {key} in {out_dir} was made from other tokens (the data or template changed)."
                              f" Fix: use a new output directory; nothing was changed")
-    repair = failing_entries(out_dir, {k: e for k, e in done.items() if k in by_key}) if done else {}
-    if repair or malformed:  # a resume repairs: failing samples are captured again, garbled lines dropped
+    # a resume repairs: what `verify` finds wrong with this run's samples (missing, cut, changed, other layers)
+    repair = {p["key"]: p["problem"] for p in verify(out_dir).problems if p["key"] in by_key} if done else {}
+    if repair or malformed:  # failing samples are captured again, garbled lines dropped
         for key, why in list(repair.items())[:5]:
             print(f"[extract] capturing {key} again: {why}", flush=True)
         print(f"[extract] {len(repair)} samples fail verification and are captured again; {len(malformed)} "

@@ -56,12 +56,17 @@ def _check(key: str, value):
     return value
 
 
-def record(**metrics) -> dict:
-    """Merge named numbers/strings into the step's ``metrics.json`` and return the whole dict."""
-    path = step_dir() / "metrics.json"
+def update_json(path, values: dict) -> dict:
+    """Merge ``values`` into the JSON object at ``path`` (created if missing), written atomically; the whole dict."""
+    path = Path(path)
     current = json.loads(path.read_text()) if path.exists() else {}
-    current.update({k: _check(k, v) for k, v in metrics.items()})
+    current.update(values)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(current, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps(current, indent=1, sort_keys=True, default=str))
     os.replace(tmp, path)
     return current
+
+
+def record(**metrics) -> dict:
+    """Merge named numbers/strings into the step's ``metrics.json`` and return the whole dict."""
+    return update_json(step_dir() / "metrics.json", {k: _check(k, v) for k, v in metrics.items()})

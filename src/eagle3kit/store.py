@@ -55,48 +55,18 @@ def read_manifest(out_dir: Path, malformed: list | None = None) -> dict[str, dic
     return entries
 
 
-def failing_entries(out_dir: Path, entries: dict, threads: int = 8) -> dict[str, str]:
-    """key -> why, for the manifest ``entries`` whose file is missing, has another size or checksum than its line
-    says: what a resume captures again. Files are hashed in ``threads`` threads (hashlib releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def why(item):
-        key, e = item
-        path = Path(out_dir) / "samples" / e["file"]
-        try:
-            if path.stat().st_size != e["bytes"]:
-                return key, f"{path.name} has {path.stat().st_size} bytes, its manifest line says {e['bytes']}"
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    h.update(block)
-            return key, None if h.hexdigest() == e["sha256"] else f"{path.name}: checksum differs from the manifest"
-        except FileNotFoundError:
-            return key, f"{path.name} is missing"
-    with ThreadPoolExecutor(threads) as pool:
-        return {k: w for k, w in pool.map(why, entries.items()) if w}
-
-
-def compact_manifest(out_dir: Path, drop: set = frozenset()) -> int:
+def compact_manifest(out_dir: Path, drop: set = frozenset()) -> None:
     """Rewrite the manifest with the last good line of each key not in ``drop`` (atomically, fsynced): what a resume
-    does when lines are malformed or samples are to be captured again. Returns the lines removed."""
+    does when lines are malformed or samples are to be captured again."""
     path = Path(out_dir) / MANIFEST
-    malformed: list = []
-    entries = read_manifest(out_dir, malformed)
-    keep = [e for k, e in sorted(entries.items(), key=lambda kv: kv[1]["index"]) if k not in drop]
-    before = sum(1 for _ in open(path))
+    keep = [e for k, e in sorted(read_manifest(out_dir).items(), key=lambda kv: kv[1]["index"]) if k not in drop]
     tmp = path.with_name(f".{MANIFEST}.tmp")
     with open(tmp, "w") as f:
         f.writelines(json.dumps(e) + "\n" for e in keep)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return before - len(keep)
+    _fsync_path(path.parent)
 
 
 class ManifestWriter:
@@ -284,6 +254,18 @@ def _file_metadata(blob: bytes) -> dict:
     return json.loads(blob[8:8 + n]).get("__metadata__", {})
 
 
+def new_folder(dest, what: str) -> Path:
+    """``dest`` made as an empty folder for ``what`` (derive, export) to write; StoreError when it is a file or holds
+    anything (nothing is changed then)."""
+    dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise StoreError(f"{dest} is a file: {what} into a new folder (nothing was changed)")
+    if dest.exists() and any(dest.iterdir()):
+        raise StoreError(f"{dest} is not empty: {what} into a new folder (nothing was changed)")
+    dest.mkdir(parents=True, exist_ok=True)
+    return dest
+
+
 def leaves_no_partial_dest(fn):
     """For ``fn(src, dest, ...)`` writing a new folder ``dest``: when it raises, what it wrote there is removed (the
     folder too, if it made it), so a refused or failed run leaves ``dest`` as it was and a rerun after the fix finds
@@ -316,13 +298,10 @@ def derive(src, dest, storage: str | None = None, final_slot: str | None = None,
     with ``final_normed``). Splits, keys and loss spans are kept; ``dest`` must be new."""
     from eagle3kit.capture.format import write_sample
 
-    src, dest = require_dataset(src), Path(dest)
+    src = require_dataset(src)
     if not (src / SETTINGS).exists():
         raise StoreError(f"{src} has no {SETTINGS} (a data set of an older eagle3kit?): extract it again to derive")
-    if dest.exists() and not dest.is_dir():
-        raise StoreError(f"{dest} is a file: derive into a new folder (nothing was changed)")
-    if dest.exists() and any(dest.iterdir()):
-        raise StoreError(f"{dest} is not empty: derive into a new folder (nothing was changed)")
+    dest = new_folder(dest, "derive")
     settings = json.loads((src / SETTINGS).read_text())
     if final_slot not in (None, "pre_norm", "post_norm"):
         raise StoreError(f"final_slot={final_slot!r}: choose 'post_norm' (or leave it unset)")

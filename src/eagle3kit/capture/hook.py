@@ -27,7 +27,7 @@ import time
 import torch
 
 from eagle3kit.capture.assemble import gather_index, select_rows
-from eagle3kit.capture.format import capture_metadata, fp8_encode
+from eagle3kit.capture.format import capture_metadata, fp8_encode, write_marker
 from eagle3kit.capture.rid import RID_PREFIX
 from eagle3kit.capture.writer import Job
 from eagle3kit.capture.writer_process import WriterProcess, allow_profiler
@@ -154,6 +154,13 @@ class CaptureSession:
         ids = getattr(fb, "input_ids", None)
         return ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
 
+    def refuse(self, reason: str) -> None:
+        """No capture in this process: the reason goes where the client and the server's probe read it (the writer's
+        status), and the hook factories register nothing."""
+        if self.writer is not None:
+            self.writer.error("setup", RuntimeError(reason))
+        self.active = False
+
     def abandon(self) -> None:
         """Forget the forward in progress and give its host buffers back."""
         st, self.cur = self.cur, None
@@ -247,9 +254,8 @@ def _session(config: dict) -> CaptureSession:
         allow_profiler()
         rank, size, dp, refused = capture_layout(rank, size, dp_rank(), _dp_attention())
         session = _SESSIONS[key] = CaptureSession(config, rank, size, ForwardMode.EXTEND, ForwardBatch, dp_rank=dp)
-        if refused and session.writer is not None:  # no capture, said where the client and the probe read it
-            session.writer.error("setup", RuntimeError(refused))
-            session.active = False
+        if refused:
+            session.refuse(refused)
         log.info("eagle3kit capture: rank %d/%d dp %s active=%s layers=%s -> %s%s", rank, size, dp,
                  session.active, slot_layers(config), key, f" REFUSED: {refused}" if refused else "")
     return _SESSIONS[key]
@@ -332,8 +338,6 @@ def _guarded(session: CaptureSession, where: str, fn, *args):
 
 
 def _fail_requests(session: CaptureSession, forward, reason: str) -> None:
-    from eagle3kit.capture.format import write_marker
-
     if forward is None or session.writer is None:
         return
     for span in {s.key: s for s in forward.sel.spans}.values():

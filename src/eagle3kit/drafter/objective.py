@@ -120,6 +120,12 @@ class ChainCounts:
         return out
 
 
+def step_correct(logits: torch.Tensor, t: Teacher, k: int, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """Rows whose step-k draft (argmax mapped to the target's vocabulary) is the target's greedy token there: what
+    SGLang's greedy verify accepts."""
+    return vocab_ids[logits.argmax(-1)] == shifted(t.token, k, -1)
+
+
 def chain_count_tensor(step_logits, t: Teacher, loss_mask, doc_ids, input_ids, vocab_ids: torch.Tensor,
                        most_frequent: int, losses=None) -> torch.Tensor:
     """The acceptance counts of one packed row in ``ChainCounts.as_tensor``'s layout, on the logits' device and
@@ -130,8 +136,7 @@ def chain_count_tensor(step_logits, t: Teacher, loss_mask, doc_ids, input_ids, v
     extra = [zero, zero]
     for k, logits in enumerate(step_logits):
         valid = valid_rows(loss_mask, doc_ids, k)
-        proposed = vocab_ids[logits.argmax(-1)]
-        correct = proposed == shifted(t.token, k, -1)
+        correct = step_correct(logits, t, k, vocab_ids)
         before = valid if accepted is None else valid & accepted
         accepted = correct if accepted is None else accepted & correct
         valid_n.append(valid.sum())
@@ -169,7 +174,7 @@ def serving_walk(step_logits, t: Teacher, loss_mask, doc_ids, vocab_ids: torch.T
     steps = len(step_logits)
     run, accepted = torch.zeros_like(t.token), None
     for k, logits in enumerate(step_logits):
-        correct = (vocab_ids[logits.argmax(-1)] == shifted(t.token, k, -1)) & valid_rows(loss_mask, doc_ids, k)
+        correct = step_correct(logits, t, k, vocab_ids) & valid_rows(loss_mask, doc_ids, k)
         accepted = correct if accepted is None else accepted & correct
         run += accepted.long()
     start = valid_rows(loss_mask, doc_ids, 0).cpu().tolist()
