@@ -5,25 +5,31 @@
 # detached and each call polls it:
 #   start: export PYTHONPATH=/root/site:$PWD/src; bash scripts/gpu_record.sh setup;
 #          setsid nohup bash scripts/gpu_chain.sh > /root/chain.log 2>&1 < /dev/null &
-#   poll:  sleep 200; tail -5 /root/chain.log; cp /root/records/*.tgz $OUT/ 2>/dev/null
-# E3K_CHAIN: "phase:seconds ..." (seconds: the limit of each long command in the phase; a command cut by it still
-# leaves what it wrote to the phase's archive). The default is what the open
-# issues' must-shows still lack, in ~25 device minutes after the install: faults (#12: load + kill -9 + the bad-input
-# trial), family (#14: the tiny DeepSeek-V3 and Kimi-K2.5 under SGLang), bench (#13: fair baselines, durable, the
-# writer at hidden 7168). The drafter phases (data, train, serve: #10/#11) share /root/work, in that order.
+#   poll:  sleep 200; bash scripts/gpu_poll.sh   (the chain's log, and every phase's folder so far, into $OUT)
+# E3K_CHAIN: "group:seconds ..." where a group is one phase or several joined by "+" that run at once on the one GPU
+# (what only needs correctness, not the whole GPU: each SGLang server takes --mem-fraction-static of the memory still
+# free when it starts, so servers of different phases fit side by side; their ports differ). seconds: the limit of
+# each long command in the group; a command cut by it still leaves what it wrote to its phase's archive. The default
+# is what the open issues' must-shows still lack, in ~25 device minutes after the install: faults (#12: load +
+# kill -9 + the bad-input trial) beside the family (#14: the tiny DeepSeek-V3 and Kimi-K2.5 under SGLang), then bench
+# (#13: fair baselines, durable, the writer at hidden 7168) alone, as throughput needs the whole GPU. The drafter
+# phases (data, train, serve: #10/#11) share /root/work, in that order.
 set -u
 export OUT=/root/records PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
 mkdir -p "$OUT"
-CHAIN=${E3K_CHAIN:-"faults:420 family:480 bench:600"}
+CHAIN=${E3K_CHAIN:-"faults+deepseek+kimi:600 bench:600"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
-  phase=${item%%:*} limit=${item#*:}
-  t0=$(date +%s)
-  echo "== $phase (limit $limit s) $(date -u +%H:%M:%S)"
-  # the limit interrupts each long command of the phase (SIGINT: what it wrote is still archived); the KILL at
-  # twice that is only a safety net (a phase of several commands, e.g. family's two targets, may take longer)
-  E3K_TIMEOUT=$limit timeout -s KILL $((2 * limit + 60)) bash scripts/gpu_record.sh "$phase"
-  echo "== $phase exit $? after $(( $(date +%s) - t0 )) s"
-  pkill -f sglang.launch_server 2>/dev/null; sleep 2  # a phase cut mid-run leaves no server holding the GPU
+  group=${item%%:*} limit=${item#*:}
+  t0=$(date +%s) pids=()
+  echo "== $group (limit $limit s) $(date -u +%H:%M:%S)"
+  for phase in ${group//+/ }; do
+    # the limit interrupts each long command of the phase (SIGINT: what it wrote is still archived); the KILL at
+    # twice that is only a safety net (a phase of several commands, e.g. family's two targets, may take longer)
+    E3K_TIMEOUT=$limit timeout -s KILL $((2 * limit + 60)) bash scripts/gpu_record.sh "$phase" > "/root/chain-$phase.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; echo "== pid $p exit $? after $(( $(date +%s) - t0 )) s"; done
+  pkill -f sglang.launch_server 2>/dev/null; sleep 2  # a group cut mid-run leaves no server holding the GPU
 done
 echo "chain done $(date -u +%H:%M:%S)"

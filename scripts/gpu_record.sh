@@ -3,7 +3,8 @@
 # (executed notebooks, metrics, logs; no tensors), one archive per phase as soon as it ends.
 # usage: bash scripts/gpu_record.sh PHASE[,PHASE...] [runner or benchmark args]   phases: pipeline bench tests tp
 #   tp: the TP-replication check under SGLang --tp 2 (params/gpu-smollm2-tp2.yaml; needs 2 GPUs)
-#   family: notebooks 00-03 on the tiny DeepSeek-V3 and Kimi-K2.5 targets (params/gpu-{deepseek,kimi}-tiny.yaml)
+#   family: the notebooks of params/gpu-{deepseek,kimi}-tiny.yaml on the tiny DeepSeek-V3 and Kimi-K2.5 targets, in turn;
+#     deepseek, kimi: one of them (they use their own ports, so a chain may run them at once)
 #   dp: extraction with regeneration on one server with --dp 2 (params/gpu-smollm2-dp2.yaml; needs 2 GPUs)
 #   data, train, serve: the drafter pipeline (params/gpu-smollm2-drafter.yaml) in /root/work, one phase per call
 #     data:  03_extract (regenerated, SGLang) + the controls' data: original replies (SGLang, second server),
@@ -109,6 +110,9 @@ for what in ${1//,/ }; do
           $stop python3 -m eagle3kit.cli run params/gpu-$f-tiny.yaml --run-dir "$rec/$f" "${@:2}" 2>&1 | tee "$rec/$f.log"
           [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done ;;
+    deepseek|kimi)  # one of the family alone (own ports: the two may run at once, see gpu_chain.sh)
+        $stop python3 -m eagle3kit.cli run params/gpu-$what-tiny.yaml --run-dir "$rec/$what" "${@:2}" 2>&1 | tee "$rec/$what.log"
+        rc=${PIPESTATUS[0]} ;;
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" --work /root/bench-work --rounds ${E3K_BENCH_ROUNDS:-3} --samples ${E3K_BENCH_SAMPLES:-1500} \
           --profile-seconds 0 "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"
@@ -118,11 +122,12 @@ for what in ${1//,/ }; do
             --out "$rec" 2>&1 | tee -a "$rec/writer.log"
         done ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
-    faults) rc=0  # the bad-input trial first (CPU work, minutes), its figures merged into the phase's metrics.json
-        python3 -m eagle3kit.cli trial --folder /root/trial --metrics "$rec/metrics.json" 2>&1 | tee "$rec/trial.log"
-        [ "${PIPESTATUS[0]}" = 0 ] || rc=1; cp /root/trial/trial.jsonl "$rec/"; rm -rf /root/trial
+    faults) rc=0  # the bad-input trial (CPU work, minutes) beside the GPU tests; both merge into the phase's metrics.json
+        # (metrics.update_json: a locked read-modify-write, so the two writers do not lose each other's keys)
+        python3 -m eagle3kit.cli trial --folder /root/trial --metrics "$rec/metrics.json" > "$rec/trial.log" 2>&1 & trial=$!
         E3K_TEST_OUT="$rec" $stop python3 -m pytest -m gpu -v -p no:cacheprovider --basetemp "$rec/tmp" tests/test_gpu_faults.py 2>&1 \
         | tee "$rec/pytest.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        wait $trial || rc=1; cp /root/trial/trial.jsonl "$rec/"; rm -rf /root/trial
         rm -rf "$rec/tmp" ;;  # the tests' captures (GBs)
     drafter-test) E3K_TEST_OUT="$rec" python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_drafter.py 2>&1 \
         | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;

@@ -57,13 +57,22 @@ def _check(key: str, value):
 
 
 def update_json(path, values: dict) -> dict:
-    """Merge ``values`` into the JSON object at ``path`` (created if missing), written atomically; the whole dict."""
+    """Merge ``values`` into the JSON object at ``path`` (created if missing), written atomically; the whole dict.
+    Processes merging into one file at once (the bad-input trial beside the GPU fault tests) take turns on a lock
+    on its folder, so neither loses the other's keys."""
+    import fcntl
+
     path = Path(path)
-    current = json.loads(path.read_text()) if path.exists() else {}
-    current.update(values)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(current, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        current = json.loads(path.read_text()) if path.exists() else {}
+        current.update(values)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(current, indent=1, sort_keys=True, default=str))
+        os.replace(tmp, path)
+    finally:
+        os.close(folder)  # releases the lock
     return current
 
 
