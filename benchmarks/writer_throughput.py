@@ -10,7 +10,8 @@ usage: python benchmarks/writer_throughput.py [--forwards 60] [--rows 8192] [--p
 that makes the users' 924 GB for 10 K samples at 4 bf16 slots of 7168). Only rank 0 of a TP group writes, so the
 writer's tokens/s is the prefill tokens/s of a whole 8-GPU server it keeps up with. ``durable`` figures include
 ``os.sync()`` after the last marker (the bytes on disk, not in the page cache). Metrics: ``writer_gb_per_s``,
-``writer_durable_gb_per_s``, ``writer_tokens_per_s``, ``bytes_per_token`` and, at hidden 7168,
+``writer_durable_gb_per_s``, ``writer_tokens_per_s``, ``writer_bytes_per_token`` (each ``_<storage>`` in a metrics.json
+written with ``--out``) and, at hidden 7168,
 ``writer_gb_per_s_h7168_<storage>`` and ``kimi_10k_samples_gb_<storage>`` (10 K samples of 1,611 tokens re-estimated
 with the bytes per token measured here).
 """
@@ -31,6 +32,16 @@ KIMI_TOKENS_PER_SAMPLE = 1611  # 924 GB / 10 K samples / (4 slots x 7168 x 2 byt
 PER_STORAGE = {"samples", "bytes", "seconds", "durable_seconds", "submit_seconds", "mb_per_s", "samples_per_s",
                "writer_gb_per_s", "writer_durable_gb_per_s", "writer_tokens_per_s", "writer_durable_tokens_per_s",
                "bytes_per_token", "marker_latency_median_s", "marker_latency_max_s"}  # merged per storage
+
+
+def merged_names(res: dict, storage: str) -> dict:
+    """The figures as merged into a metrics.json that other benchmarks share (bench writes the capture's own
+    ``bytes_per_token_<storage>`` there): every name the writer's (``writer_``/``kimi_``), per storage where it differs."""
+    out = {}
+    for k, v in res.items():
+        name = k if k.startswith(("writer_", "kimi_")) else f"writer_{k}"
+        out[f"{name}_{storage}" if k in PER_STORAGE else name] = v
+    return out
 
 
 def main(argv=None):
@@ -112,8 +123,7 @@ def main(argv=None):
         Path(a.out).mkdir(parents=True, exist_ok=True)
         from eagle3kit.metrics import update_json
 
-        update_json(Path(a.out) / "metrics.json", {f"{k}_{a.storage}" if k in PER_STORAGE else k: v
-                                                   for k, v in res.items()})
+        update_json(Path(a.out) / "metrics.json", merged_names(res, a.storage))
     session.writer.close()
     shutil.rmtree(d, ignore_errors=True)
     return 0

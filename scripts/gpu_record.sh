@@ -120,7 +120,10 @@ for what in ${1//,/ }; do
         for s in bf16 fp8; do  # the writer alone at Kimi-K2.5's geometry, merged into the same metrics.json
           python3 benchmarks/writer_throughput.py --kimi --forwards ${E3K_WB_FORWARDS:-40} --storage $s --dir /root/wb \
             --out "$rec" 2>&1 | tee -a "$rec/writer.log"
-        done ;;
+        done
+        # the early-writeback lever, on and off in turn (its own metrics.json: the flag changes every figure above)
+        python3 benchmarks/writeback_ab.py --out "$rec/writeback" --rounds ${E3K_WB_ROUNDS:-4} --kimi \
+          --forwards ${E3K_WB_FORWARDS:-40} --storage bf16 --dir /root/wb 2>&1 | tee "$rec/writeback.log" ;;
     tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     faults) rc=0  # the bad-input trial (CPU work, minutes) beside the GPU tests; both merge into the phase's metrics.json
         # (metrics.update_json: a locked read-modify-write, so the two writers do not lose each other's keys)

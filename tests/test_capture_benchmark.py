@@ -41,3 +41,18 @@ def test_a_slow_disk_is_the_limit_and_a_failed_round_does_not_count():
     assert r["durable_ratio_vs_limit_bf16"] == pytest.approx(sorted([1.0, 0.95, 1.1])[1])
     assert len(r["ratio_vs_plain_default_rounds"].split()) == 2  # round 1's capture failed: two ratios, not three
     assert not math.isnan(r["ratio_vs_plain_default"])
+
+
+def test_the_writer_benchmark_merges_under_names_of_its_own():
+    """bench merges the writer's figures at hidden 7168 into the capture benchmark's metrics.json: on the GPU
+    (2026-12-01) the writer's bytes_per_token (57,352 at 4 slots x 7168) overwrote the capture's (4,616)."""
+    from writer_throughput import merged_names
+
+    res = {"bytes_per_token": 57352.0, "samples": 40, "storage": "bf16", "hidden": 7168,
+           "writer_gb_per_s": 2.0, "writer_gb_per_s_h7168": 1.1, "kimi_10k_samples_gb_bf16": 924.0}
+    m = merged_names(res, "bf16")
+    assert m == {"writer_bytes_per_token_bf16": 57352.0, "writer_samples_bf16": 40, "writer_storage": "bf16",
+                 "writer_hidden": 7168, "writer_gb_per_s_bf16": 2.0, "writer_gb_per_s_h7168": 1.1,
+                 "kimi_10k_samples_gb_bf16": 924.0}
+    capture_keys = {"bytes_per_token_bf16", "bytes_per_token_fp8", "storage", "hidden", "extract_storage"}
+    assert not capture_keys & set(m)

@@ -107,11 +107,14 @@ def run_forward(session, fb, states, token_ids, normed):
     session.on_end((token_ids, normed, None, fb))
 
 
-@pytest.mark.parametrize("storage", ["bf16", "fp8"])
-def test_session_captures_batched_and_chunked_requests_like_the_reference(tmp_path, reference, tokenizer, storage):
+@pytest.mark.parametrize("storage,wrapped", [("bf16", False), ("fp8", False), ("bf16", True)])
+def test_session_captures_batched_and_chunked_requests_like_the_reference(tmp_path, reference, tokenizer, storage,
+                                                                          wrapped):
     """Real reference states packed as SGLang packs them; the written files must equal the reference. With fp8
     storage the hook encodes each forward's block where it lives (the GPU on a server): the file holds exactly the
-    encoding of the reference's rows, chunks included (one scale per token and slot)."""
+    encoding of the reference's rows, chunks included (one scale per token and slot). ``wrapped``: the logits
+    processor is handed no input_ids (Kimi-K2.5's multimodal wrapper embeds the tokens itself: seen on the GPU);
+    the token ids come from the batch."""
     from eagle3kit.capture import format as fmt
 
     L = reference.info.num_layers
@@ -130,13 +133,14 @@ def test_session_captures_batched_and_chunked_requests_like_the_reference(tmp_pa
     states = [torch.cat([warm, per["a"][k], per["b"][k][:cut]]) for k in range(L + 1)]
     ids = torch.tensor([0] * 4 + prompts["a"] + prompts["b"][:cut])
     fb = fake_batch(Mode.EXTEND, rids, [4, len(prompts["a"]), cut], [0, 0, 0], ids)
-    run_forward(session, fb, states, ids, states[L])
+    run_forward(session, fb, states, None if wrapped else ids, states[L])
     decode = fake_batch(Mode.DECODE, rids[1:], None, None, torch.tensor([1, 2]))
     run_forward(session, decode, [torch.randn(2, 576)] * (L + 1), torch.tensor([1, 2]), torch.randn(2, 576))
     rest = len(prompts["b"]) - cut
     states2 = [per["b"][k][cut:] for k in range(L + 1)]
     ids2 = torch.tensor(prompts["b"][cut:])
-    run_forward(session, fake_batch(Mode.EXTEND, rids[2:], [rest], [cut], ids2), states2, ids2, states2[L])
+    run_forward(session, fake_batch(Mode.EXTEND, rids[2:], [rest], [cut], ids2), states2, None if wrapped else ids2,
+                states2[L])
     status = session.writer.flush()
     assert status["counts"]["written"] == 2 and status["counts"]["chunked"] == 1
     assert status["counts"]["forwards_decode"] == 1 and status["ignored_rows_by_kind"] == {"other": 1}

@@ -182,6 +182,26 @@ def test_a_key_captured_again_gets_a_new_cache_namespace(tmp_path):
     assert len(extra_keys) == 2 and extra_keys[0] != extra_keys[1]
 
 
+def test_a_named_cache_namespace_is_shared_by_the_requests_given_it_and_by_no_other(tmp_path):
+    """02's prefix-hit pair: both requests in one namespace of their own, so the first cannot hit what came before it
+    (it did on the tiny Kimi target in SGLang's shared namespace) and the second hits the first."""
+    bodies = []
+
+    def respond(port, method, path, body):
+        bodies.append(body)
+        write_marker(tmp_path, parse_rid(body["rid"])[0], 0, {"status": "ok"})
+        return 200, {"meta_info": {"cached_tokens": 0}}
+    server = endpoint(respond)
+    try:
+        client = CaptureClient(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=10)
+        for key, ns in (("first", "pair"), ("second", "pair"), ("other", None), ("shared", False)):
+            client.capture(key, [1, 2, 3], isolate_cache=ns)
+    finally:
+        server.shutdown()
+    keys = [b.get("extra_key") for b in bodies]
+    assert keys[:2] == ["pair", "pair"] and keys[2] not in (None, "pair") and keys[3] is None
+
+
 def info_server(info: dict):
     """An endpoint answering SGLang's GET /server_info with ``info``."""
     return endpoint(lambda port, method, path, body: (200 if path == "/server_info" else 404, info))

@@ -53,3 +53,24 @@ def test_lines_wait_for_their_group_and_close_writes_the_rest(tmp_path, monkeypa
     assert list(read_manifest(tmp_path)) == ["s0", "s1", "s2", "s3"]
     synced = [p for p, _ in events]
     assert all(str(f.resolve()) in synced for f in files) and synced.count(str(tmp_path.resolve())) == 2
+
+
+def test_early_writeback_is_available_on_linux_and_leaves_the_file_intact(tmp_path):
+    """Each sample file's writeback is queued as soon as it is written (sync_file_range, not awaited): the manifest's
+    group fsync and a final sync then find little left to write (benchmarks/writeback_ab.py measures it)."""
+    import sys
+
+    import torch
+
+    from eagle3kit.capture import format as fmt
+
+    if sys.platform.startswith("linux"):
+        assert fmt._SYNC_FILE_RANGE is not None and fmt.EARLY_WRITEBACK
+    t = {"hidden_states": torch.randn(64, 4, 32).bfloat16(), "token_ids": torch.arange(64)}
+    n, sha = fmt.write_safetensors(tmp_path / "s.safetensors", t, {"k": "v"})
+    back, meta = fmt.read_sample(tmp_path / "s.safetensors")
+    assert torch.equal(back["hidden_states"], t["hidden_states"]) and meta["k"] == "v"
+    import hashlib
+    assert hashlib.sha256((tmp_path / "s.safetensors").read_bytes()).hexdigest() == sha and n == (tmp_path / "s.safetensors").stat().st_size
+    with open(tmp_path / "s.safetensors", "rb+") as f:
+        fmt.start_writeback(f.fileno())  # on a file with nothing dirty: no error either

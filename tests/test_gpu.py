@@ -24,7 +24,7 @@ def server(tmp_path_factory, target_path):
 def test_concurrent_chunked_captures_match_reference(server, tokenizer, target_path):
     from eagle3kit.capture.client import CaptureClient
     from eagle3kit.capture.reference import ReferenceEngine
-    from eagle3kit.spec import calibrate_bounds, compare_to_reference, probe_prompts
+    from eagle3kit.spec import calibrate_bounds, calibration_set, compare_to_reference, probe_prompts
 
     prompts = probe_prompts(tokenizer, 16, 32, 400, seed=3)
     client = CaptureClient(server.url, server.capture["capture_dir"])
@@ -32,7 +32,7 @@ def test_concurrent_chunked_captures_match_reference(server, tokenizer, target_p
     assert all(m["status"] == "ok" for m in markers), [m for m in markers if m["status"] != "ok"]
     assert any(m["chunks"] > 1 for m in markers)  # chunked prefill really reassembled
     ref = ReferenceEngine(target_path, [2, 15, 27], final_normed=True, device="cuda")
-    bounds = calibrate_bounds(ref, dict(list(prompts.items())[:8]))  # bf16 vs fp32 of the same model, x3
+    bounds = calibrate_bounds(ref, calibration_set(prompts, 8))  # bf16 vs fp32 of the same model, x3
     rows = compare_to_reference(server.capture["capture_dir"], prompts, ref, bounds)
     worst_tok = max(r["token_worst_err"] for r in rows)
     print(f"bounds {bounds}; worst token {worst_tok:.4f}; rows over: {[r for r in rows if not r['ok']]}")

@@ -57,7 +57,7 @@ def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokeni
     from eagle3kit.capture.reference import ReferenceEngine
     from eagle3kit.capture.server import capture_server
     from eagle3kit.capture.format import read_sample
-    from eagle3kit.spec import calibrate_bounds, compare_to_reference, negative_controls
+    from eagle3kit.spec import calibrate_bounds, calibration_set, compare_to_reference, negative_controls
 
     context = json.loads((Path(target_path) / "config.json").read_text())["max_position_embeddings"]
     prompts = long_prompts(tokenizer, LOAD_REQUESTS, context - 8, seed=11)
@@ -74,7 +74,7 @@ def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokeni
     missing = [m["key"] for m in markers if m["status"] != "ok"]
     ok = {k: v for k, v in prompts.items() if k not in missing}
     ref = ReferenceEngine(target_path, [2, 15, 27], final_normed=True, device="cuda")
-    bounds = calibrate_bounds(ref, dict(list(ok.items())[:8]))
+    bounds = calibrate_bounds(ref, calibration_set(ok, 8))
     rows, mismatched, worst = [], set(), 0.0
     keys = list(ok)
     caught = {}  # the check's negative controls on the load's own captures: each mistake made from 8 of them

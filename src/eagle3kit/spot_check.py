@@ -35,7 +35,7 @@ def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibra
     samples = {e["key"]: load_checked(out_dir, e) for e in picked}  # checksum and manifest token ids first
     ids = {k: s["token_ids"].tolist() for k, s in samples.items()}
     refs: dict = {}
-    bounds = spec.calibrate_bounds(ref, dict(list(ids.items())[:calibration]), refs=refs)
+    bounds = spec.calibrate_bounds(ref, spec.calibration_set(ids, calibration), refs=refs)
     rows = []
     for k, s in samples.items():
         for r in spec.check_sample(s, ids[k], refs.get(k) or ref.hidden(ids[k]), ref.layer_ids, bounds):

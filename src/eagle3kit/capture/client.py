@@ -47,14 +47,18 @@ class CaptureClient:
             (self.capture_dir / f"{sample_name(key, self.rank)}{suffix}").unlink(missing_ok=True)
 
     def generate(self, key: str, input_ids: list[int], max_new_tokens: int = 0, url: str | None = None,
-                 isolate_cache: bool | None = None, **sampling) -> dict:
+                 isolate_cache: bool | str | None = None, **sampling) -> dict:
+        """``isolate_cache``: True, a fresh cache namespace (``extra_key``) for this request; a string, that namespace
+        (requests sharing it can hit each other's prefixes and nothing else's); False, SGLang's shared namespace."""
         rid = make_rid(key, len(input_ids), self.prefix)
         ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)  # tensors, arrays, lists
         if ids and type(ids[0]) is not int:  # numpy scalars in a list, say: JSON takes Python ints only
             ids = [int(x) for x in ids]
         body = {"input_ids": ids, "rid": rid,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}}
-        if self.isolate_cache if isolate_cache is None else isolate_cache:
+        if isinstance(isolate_cache, str):
+            body["extra_key"] = isolate_cache
+        elif self.isolate_cache if isolate_cache is None else isolate_cache:
             # unique per request, not per key: the rid repeats when a key is captured again (a retry, a rerun, a
             # second benchmark pass), and a namespace shared with the first capture would let it hit the cache
             body["extra_key"] = f"{rid}.{uuid.uuid4().hex[:16]}"

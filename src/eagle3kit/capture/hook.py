@@ -230,7 +230,10 @@ class CaptureSession:
             tensors = {"hidden_states_fp8": self._copy(st, q), "hidden_states_scale": self._copy(st, scale)}
         else:
             tensors = {"hidden_states": self._copy(st, st.states) if st.states.is_cuda else st.states}
-        tensors["token_ids"] = self._copy(st, self._rows(st, args[0]))
+        # the logits processor's input_ids; a multimodal wrapper (Kimi-K2.5's kimi_k25.py) embeds the tokens itself
+        # and passes None there: the batch's own ids are the same tokens
+        ids = args[0] if args[0] is not None else fb.input_ids
+        tensors["token_ids"] = self._copy(st, self._rows(st, ids))
         if self.config["final_normed"]:
             tensors["final_normed"] = self._copy(st, self._rows(st, args[1]))
         event = None
