@@ -8,16 +8,19 @@
 #   poll:  sleep 200; bash scripts/gpu_poll.sh   (the chain's log, and every phase's folder so far, into $OUT)
 # E3K_CHAIN: "group:seconds ..." where a group is one phase or several joined by "+" that run at once on the one GPU
 # (what only needs correctness, not the whole GPU: each SGLang server takes --mem-fraction-static of the memory still
-# free when it starts, so servers of different phases fit side by side; their ports differ). seconds: the limit of
+# free when it starts, so servers of different phases fit side by side; their ports differ). Starts at the same moment
+# race: SGLang measures free memory before loading and sizes its KV pool after, so what another phase allocates in
+# between counts against it ("Loaded weights leave no GPU memory for the KV cache", seen 2026-12-01); the family's
+# params use 0.5 for that margin. seconds: the limit of
 # each long command in the group; a command cut by it still leaves what it wrote to its phase's archive. The default
-# is what the open issues' must-shows still lack, in ~25 device minutes after the install: faults (#12: load +
-# kill -9 + the bad-input trial) beside the family (#14: the tiny DeepSeek-V3 and Kimi-K2.5 under SGLang), then bench
-# (#13: fair baselines, durable, the writer at hidden 7168) alone, as throughput needs the whole GPU. The drafter
+# is what the open issues' records still lack after 2026-12-01: faults (#12: the load test's rerun with the
+# length-spread calibration) beside kimi (#14: 02 with its own cache namespace for the prefix pair, then 03), then
+# bench (#13: with the early-writeback A/B) alone, as throughput needs the whole GPU; deepseek ran whole. The drafter
 # phases (data, train, serve: #10/#11) share /root/work, in that order.
 set -u
 export OUT=/root/records PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
 mkdir -p "$OUT"
-CHAIN=${E3K_CHAIN:-"faults+deepseek+kimi:600 bench:600"}
+CHAIN=${E3K_CHAIN:-"faults+kimi:600 bench:600"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   group=${item%%:*} limit=${item#*:}
