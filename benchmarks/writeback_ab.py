@@ -11,21 +11,22 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
 
 def one(early: bool, args: list[str]) -> dict:
+    """One run of the writer benchmark in its own process (the flag is read when the writer's modules load); its
+    figures as it merges them (``--out``)."""
     env = {**os.environ, "E3K_EARLY_WRITEBACK": "1" if early else "0"}
-    r = subprocess.run([sys.executable, str(HERE / "writer_throughput.py"), *args], env=env, capture_output=True,
-                       text=True, check=True)
-    figures = {}
-    for line in r.stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] in ("writer_gb_per_s", "writer_durable_gb_per_s"):
-            figures[parts[0]] = float(parts[1].replace(",", ""))
-    return figures
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, str(HERE / "writer_throughput.py"), *args, "--out", out], env=env,
+                       capture_output=True, text=True, check=True)
+        m = json.loads((Path(out) / "metrics.json").read_text())
+    st = m["writer_storage"]
+    return {k: m[f"{k}_{st}"] for k in ("writer_gb_per_s", "writer_durable_gb_per_s")}
 
 
 def main(argv=None):

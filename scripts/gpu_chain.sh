@@ -28,7 +28,7 @@ for item in $CHAIN; do
   echo "== $group (limit $limit s) $(date -u +%H:%M:%S)"
   for phase in ${group//+/ }; do
     # the limit interrupts each long command of the phase (SIGINT: what it wrote is still archived); the KILL at
-    # twice that is only a safety net (a phase of several commands, e.g. family's two targets, may take longer)
+    # twice that is only a safety net (a phase of several commands, e.g. faults' two tests, may take longer)
     E3K_TIMEOUT=$limit timeout -s KILL $((2 * limit + 60)) bash scripts/gpu_record.sh "$phase" > "/root/chain-$phase.log" 2>&1 &
     pids+=($!)
   done

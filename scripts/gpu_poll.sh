@@ -5,8 +5,8 @@ tail -4 /root/chain.log; for f in /root/chain-*.log; do [ -f "$f" ] && echo "-- 
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
 cp /root/records/*.tgz "$OUT/" 2>/dev/null
 for d in /root/rec-*; do
+  # a running phase's folder also holds the fault tests' captures (tmp/, removed when the phase ends)
   [ -d "$d" ] && [ ! -f "/root/records/record-${d#/root/rec-}.tgz" ] && tar czf "$OUT/live-${d#/root/rec-}.tgz" -C "$d" \
-    --exclude='*.safetensors' --exclude='*.ckpt' --exclude='*.pt' --exclude='captures' --exclude='data' --exclude='data-fp8' \
-    --exclude='tmp' . 2>/dev/null
+    --exclude-from=scripts/record-excludes.txt --exclude='tmp' . 2>/dev/null
 done
 cp /root/chain*.log "$OUT/" 2>/dev/null; ls "$OUT"

@@ -3,8 +3,8 @@
 # (executed notebooks, metrics, logs; no tensors), one archive per phase as soon as it ends.
 # usage: bash scripts/gpu_record.sh PHASE[,PHASE...] [runner or benchmark args]   phases: pipeline bench tests tp
 #   tp: the TP-replication check under SGLang --tp 2 (params/gpu-smollm2-tp2.yaml; needs 2 GPUs)
-#   family: the notebooks of params/gpu-{deepseek,kimi}-tiny.yaml on the tiny DeepSeek-V3 and Kimi-K2.5 targets, in turn;
-#     deepseek, kimi: one of them (they use their own ports, so a chain may run them at once)
+#   deepseek, kimi: the notebooks of params/gpu-{deepseek,kimi}-tiny.yaml on the tiny DeepSeek-V3 / Kimi-K2.5 target
+#     (their own ports: a chain may run them at once); family: both, in turn
 #   dp: extraction with regeneration on one server with --dp 2 (params/gpu-smollm2-dp2.yaml; needs 2 GPUs)
 #   data, train, serve: the drafter pipeline (params/gpu-smollm2-drafter.yaml) in /root/work, one phase per call
 #     data:  03_extract (regenerated, SGLang) + the controls' data: original replies (SGLang, second server),
@@ -98,7 +98,8 @@ PY
 }
 final=0
 stop=${E3K_TIMEOUT:+timeout -s INT $E3K_TIMEOUT}
-for what in ${1//,/ }; do
+phases=${1//family/deepseek,kimi}  # family: both tiny targets, in turn, each its own archive
+for what in ${phases//,/ }; do
   rec=/root/rec-$what; rm -rf "$rec"; mkdir -p "$rec"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$rec/gpu.txt" 2>&1
   python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$rec/gpu.txt" 2>&1
@@ -106,11 +107,7 @@ for what in ${1//,/ }; do
     pipeline) $stop python3 -m eagle3kit.cli run params/gpu-smollm2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     tp) nvidia-smi topo -m >> "$rec/gpu.txt" 2>&1; env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' >> "$rec/gpu.txt"
         $stop python3 -m eagle3kit.cli run params/gpu-smollm2-tp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
-    family) rc=0; for f in deepseek kimi; do  # the users' family (#14): each in its own run folder
-          $stop python3 -m eagle3kit.cli run params/gpu-$f-tiny.yaml --run-dir "$rec/$f" "${@:2}" 2>&1 | tee "$rec/$f.log"
-          [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-        done ;;
-    deepseek|kimi)  # one of the family alone (own ports: the two may run at once, see gpu_chain.sh)
+    deepseek|kimi)  # one of the users' family (#14; own ports: the two may run at once, see gpu_chain.sh)
         $stop python3 -m eagle3kit.cli run params/gpu-$what-tiny.yaml --run-dir "$rec/$what" "${@:2}" 2>&1 | tee "$rec/$what.log"
         rc=${PIPESTATUS[0]} ;;
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
@@ -150,6 +147,6 @@ for what in ${1//,/ }; do
     [ -d "$d" ] && { cp "$d"/manifest.jsonl "$d"/regenerated.jsonl "$d"/sglang.log "$rec/" 2>/dev/null; cp "$d"/samples/_status*.json "$rec/" 2>/dev/null; }
   done
   echo "exit $rc" >> "$rec/gpu.txt"; [ "$rc" = 0 ] || final=$rc
-  tar czf "$OUT/record-$what.tgz" -C "$rec" --exclude='*.safetensors' --exclude='*.ckpt' --exclude='*.pt' --exclude='captures' --exclude='data' --exclude='data-fp8' .
+  tar czf "$OUT/record-$what.tgz" -C "$rec" --exclude-from=scripts/record-excludes.txt .
 done
 ls -la "$OUT"; exit $final

@@ -74,3 +74,28 @@ def test_early_writeback_is_available_on_linux_and_leaves_the_file_intact(tmp_pa
     assert hashlib.sha256((tmp_path / "s.safetensors").read_bytes()).hexdigest() == sha and n == (tmp_path / "s.safetensors").stat().st_size
     with open(tmp_path / "s.safetensors", "rb+") as f:
         fmt.start_writeback(f.fileno())  # on a file with nothing dirty: no error either
+
+
+def _merge_many(path: str, who: str, n: int) -> None:
+    from eagle3kit.metrics import update_json
+
+    for i in range(n):
+        update_json(path, {f"{who}_{i}": i})
+
+
+def test_metrics_merged_by_two_processes_at_once_keep_every_key(tmp_path):
+    """The bad-input trial and the GPU fault tests merge into one metrics.json at the same time (gpu_record.sh
+    faults): update_json takes turns on a lock of the folder, so neither read-modify-write loses the other's keys."""
+    import json
+    import multiprocessing as mp
+
+    path = str(tmp_path / "metrics.json")
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_merge_many, args=(path, who, 200)) for who in ("trial", "faults")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert len(m) == 400 and not list(tmp_path.glob("*.tmp"))

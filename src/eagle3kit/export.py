@@ -62,15 +62,11 @@ def _done(out: dict, skipped: list) -> dict:
     return {**out, "skipped": len(skipped), "skipped_reasons": skipped[:100]}
 
 
-def _fresh(dest: Path) -> Path:
-    return new_folder(dest, "export")
-
-
 @leaves_no_partial_dest
 def to_speculators(out_dir, dest, split: str = "train") -> dict:
     from datasets import Dataset
 
-    out_dir, dest = Path(out_dir), _fresh(dest)
+    out_dir, dest = Path(out_dir), new_folder(dest, "export")
     hs_dir = dest / "hidden_states"
     hs_dir.mkdir()
     rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
@@ -107,7 +103,7 @@ def to_speculators(out_dir, dest, split: str = "train") -> dict:
 
 @leaves_no_partial_dest
 def to_specforge(out_dir, dest, split: str = "train") -> dict:
-    out_dir, dest = Path(out_dir), _fresh(dest)
+    out_dir, dest = Path(out_dir), new_folder(dest, "export")
     n = 0
     checked, skipped = _checked(out_dir, split)
     for i, e, s in checked:

@@ -98,12 +98,14 @@ def check_sample(cap: dict, ids, ref: dict, layer_ids, bounds: dict) -> list[dic
 def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, rank: int = 0,
                          refs: dict | None = None) -> list[dict]:
     """One row per (request, slot): the capture against the reference engine's state (``check_states``);
-    ``refs``: reference tensors already computed per key (``calibrate_bounds``)."""
+    ``refs``: reference tensors already computed per key (``calibrate_bounds``); those computed here are added to
+    it (leave it None to keep none: a load test's references are GBs)."""
     rows = []
-    refs = refs or {}
     for key, ids in prompts.items():
         cap, meta = read_sample(Path(capture_dir) / f"{key}.rank{rank}.safetensors")
-        ref = refs[key] if key in refs else reference.hidden(ids)
+        ref = refs[key] if refs is not None and key in refs else reference.hidden(ids)
+        if refs is not None:
+            refs[key] = ref
         for r in check_sample(cap, ids, ref, meta["layer_ids"], bounds):
             rows.append({"key": key, "n_tokens": len(ids), **r})
     return rows
