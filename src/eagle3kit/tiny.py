@@ -129,7 +129,6 @@ def make_kimi_k25(out: Path, tokenizer_dir: Path) -> Path:
 def load_language_model(path: Path, dtype):
     """transformers' model of a wrapped target's language model (Kimi-K2.5: ``text_config`` and the weights under
     ``language_model.``), or None when ``path`` is not a wrapper this module knows."""
-    import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 CONVERSATION = {"messages": [{"role": "user", "content": "Hello, tell me about the sea and the sky."},

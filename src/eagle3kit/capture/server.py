@@ -165,8 +165,8 @@ def probe_capture(url: str, capture_dir, timeout: float = 120) -> None:
             said = ""
         raise ServerError(f"the capture server at {url} did not capture a probe request ({m.get('reason', m)})"
                           + (f"; the capture writers report: {said[:600]}" if said else "") + ". "
-                          f"If its decoder layers are not named like the hooks' template, pass layer_module= "
-                          f"(see capture.server.WRAPPED_LAYERS); the server log says which modules exist")
+                          "If its decoder layers are not named like the hooks' template, pass layer_module= "
+                          "(see capture.server.WRAPPED_LAYERS); the server log says which modules exist")
 
 
 def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_normed=False, ranks="0",
