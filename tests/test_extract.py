@@ -277,6 +277,41 @@ def test_regeneration_replaces_assistant_turns_with_the_targets_replies(tmp_path
     assert [s.input_ids for s in again] == [s.input_ids for s in samples]
 
 
+def test_a_regeneration_time_budget_captures_a_prefix_and_counts_the_rest(tmp_path, tokenizer):
+    """regenerate_minutes: no conversation starts after the budget; the ones not regenerated keep the data set's
+    replies, so they are left out (counted), and the others keep the keys a full run gives them."""
+    import threading
+    import time
+
+    calls, lock = [], threading.Lock()
+
+    def slow(messages, n):  # a server answering in 50 ms
+        time.sleep(0.05)
+        with lock:
+            calls.append(len(messages))
+        return "target's reply"
+    cache = tmp_path / "regen.jsonl"
+    samples, report = load_samples("embedded:sharegpt", tokenizer, 40, 2048, regenerate_with=slow,
+                                   regenerate_concurrency=2, regenerated_cache=cache, regenerate_seconds=0.3)
+    cached = [json.loads(x)["id"] for x in cache.read_text().splitlines()]
+    left = report.skipped["not regenerated within the time budget (regenerate_minutes)"]
+    assert 0 < len(cached) < 40 and len(cached) + left == 40, (len(cached), left)
+    from eagle3kit.data.conversations import load_conversations
+
+    order = [c["id"] for c in load_conversations("embedded:sharegpt", limit=40)[0]]
+    assert cached == order[:len(cached)]  # conversations start in order: a prefix, so a rerun continues it
+    full, _ = load_samples("embedded:sharegpt", tokenizer, 40, 2048)
+    assert {s.conv_id for s in samples} <= set(cached)  # nothing with the data set's own replies is data
+    by_key = {s.key: s.conv_id for s in full}
+    assert all(by_key[s.key] == s.conv_id for s in samples)  # keys (indices) as in a run without a budget
+    assert all("target's reply" in tokenizer.decode(s.input_ids) for s in samples)
+    n = len(calls)
+    again, report = load_samples("embedded:sharegpt", tokenizer, 40, 2048, regenerate_with=slow,
+                                 regenerated_cache=cache, regenerate_seconds=0)  # 0: the cached replies only
+    assert len(calls) == n and [s.key for s in again] == [s.key for s in samples]
+    assert report.skipped["not regenerated within the time budget (regenerate_minutes)"] == left
+
+
 def test_sglang_regeneration_spreads_over_data_parallel_servers(tokenizer):
     """Several servers (--urls): /generate requests go to each in turn (stand-in endpoints answering like SGLang)."""
     from test_client import endpoint

@@ -69,13 +69,14 @@ def _disk_full_error(out_dir: Path, todo: list, totals: dict, failures: list) ->
 
 
 def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int = 0, heldout_percent: float = 5.0,
-                    world_size: int = 1, rank: int = 0, min_loss_tokens: int = 1) -> list[Sample]:
-    """Render, mask and shard (sample i belongs to rank i % world_size). Keys are stable across reruns."""
+                    world_size: int = 1, rank: int = 0, min_loss_tokens: int = 1, leave_out=()) -> list[Sample]:
+    """Render, mask and shard (sample i belongs to rank i % world_size). Keys are stable across reruns.
+    ``leave_out``: conversation ids not to render (their indices, and so every other key, stay)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     out = []
     for i, conv in enumerate(conversations):
-        if i % world_size != rank:
+        if i % world_size != rank or conv["id"] in leave_out:
             continue
         if not any(m.get("role") == "assistant" for m in conv["messages"]):  # e.g. regeneration cut at the context
             continue
@@ -281,10 +282,13 @@ def settings_for(target_path, info, layer_ids, storage, data, max_tokens, final_
 
 def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int, seed: int = 0,
                  heldout_percent: float = 5.0, world_size: int = 1, rank: int = 0, regenerate_with=None,
-                 regenerate_max_new_tokens: int = 512, regenerate_concurrency: int = 1, regenerated_cache=None):
+                 regenerate_max_new_tokens: int = 512, regenerate_concurrency: int = 1, regenerated_cache=None,
+                 regenerate_seconds: float | None = None):
     """Conversations -> rendered samples of this shard; also returns the loader's report (truncation etc.).
     ``regenerate_with``: a generator (see data.regenerate) that replaces the assistant turns first; the replies are
-    kept in ``regenerated_cache`` (JSONL) so that a resumed run renders exactly the same tokens."""
+    kept in ``regenerated_cache`` (JSONL) so that a resumed run renders exactly the same tokens.
+    ``regenerate_seconds``: no new conversation is regenerated after that long (0: only the cached replies); the
+    conversations left without the target's replies are not captured, and are counted in the report's skipped."""
     if max_samples is not None and max_samples <= 0:
         raise ValueError(f"max_samples={max_samples}: give a positive number or None for all")
     limit = None if max_samples is None else max_samples * world_size
@@ -301,12 +305,22 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
         mine = [c for i, c in enumerate(convs) if i % world_size == rank and c["id"] not in done]
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
+        deadline = None if regenerate_seconds is None else time.monotonic() + regenerate_seconds
         with open(cache if cache is not None else os.devnull, "a") as f:
-            for c in regenerate(mine, regenerate_with, regenerate_max_new_tokens, regenerate_concurrency):
+            for c in regenerate(mine, regenerate_with, regenerate_max_new_tokens, regenerate_concurrency, deadline):
                 done[c["id"]] = c
                 f.write(json.dumps(c) + "\n")
                 f.flush()  # a crash keeps every reply generated so far
+        left = {c["id"] for c in mine if c["id"] not in done}
+        if left:  # only with a time budget: these keep their original replies, so they are not data
+            why = "not regenerated within the time budget (regenerate_minutes)"
+            report.skipped[why] = report.skipped.get(why, 0) + len(left)
+            print(f"{'only replies already regenerated used' if regenerate_seconds == 0 else 'regeneration stopped at its time budget'}: "
+                  f"{len(left)} of {len(range(rank, len(convs), world_size))} conversations left out (a rerun into the same "
+                  f"folder with a larger budget regenerates and captures them)")
         convs = [done.get(c["id"], c) if i % world_size == rank else c for i, c in enumerate(convs)]
+        return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank,
+                               leave_out=left), report
     return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank), report
 
 

@@ -27,12 +27,14 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                    urls=(), aux_layer_ids=None, max_samples=None, max_tokens=2048, storage="bf16", concurrency=64,
                    world_size=1, rank=0, final_normed=False, server_args=(), progress=True, seed=0,
                    heldout_percent=5.0, regenerate=False, regenerate_max_new_tokens=256, reference_device="cpu",
-                   reference_dtype="float32", port=30000) -> dict:
+                   reference_dtype="float32", port=30000, regenerate_minutes=None) -> dict:
+    """``regenerate_minutes``: with ``regenerate``, start no new conversation after that long and capture those
+    regenerated (0: only the replies already cached in the folder); None: every conversation."""
     path = resolve_target(target)
     info = TargetInfo.read(path)
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
     check_extraction_settings(out_dir, aux, info.num_layers, max_samples, max_tokens, heldout_percent, concurrency,
-                              world_size, rank, regenerate_max_new_tokens)
+                              world_size, rank, regenerate_max_new_tokens, regenerate_minutes)
     layer_ids = aux + [info.num_layers]
     from transformers import AutoTokenizer
 
@@ -77,7 +79,8 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                 data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank, regenerate_with=generator,
                 regenerate_max_new_tokens=regenerate_max_new_tokens,
                 regenerate_concurrency=1 if engine == "transformers" else concurrency,
-                regenerated_cache=Path(out_dir) / "regenerated.jsonl")
+                regenerated_cache=Path(out_dir) / "regenerated.jsonl",
+                regenerate_seconds=None if regenerate_minutes is None else 60 * regenerate_minutes)
             data_seconds = time.time() - t_data
             if not samples:
                 why = ", ".join(f"{v} {k}" for k, v in report.skipped.items()) or "none skipped"
@@ -133,7 +136,7 @@ def exclusive(out_dir):
 
 
 def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens, heldout_percent, concurrency=1,
-                              world_size=1, rank=0, regenerate_max_new_tokens=1) -> None:
+                              world_size=1, rank=0, regenerate_max_new_tokens=1, regenerate_minutes=None) -> None:
     """Refuse settings that would make wrong or no data, before anything is loaded or written (so a refused run
     leaves the folder as it was). Each error names the option and the fix."""
     def need(ok, msg):
@@ -152,6 +155,8 @@ def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens,
     need(concurrency >= 1 and regenerate_max_new_tokens >= 1,
          f"--concurrency {concurrency} / --regenerate-max-new-tokens {regenerate_max_new_tokens}: give positive "
          f"numbers")
+    need(regenerate_minutes is None or regenerate_minutes >= 0,
+         f"--regenerate-minutes {regenerate_minutes}: give minutes >= 0 (0: only replies already cached), or omit it")
     need(world_size >= 1 and 0 <= rank < world_size, f"--rank {rank} --world-size {world_size}: rank in [0, world)")
     out = Path(out_dir)
     need(not out.exists() or out.is_dir(), f"--out {out} is a file; give a folder (it is created if missing)")

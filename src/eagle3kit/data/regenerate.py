@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 
 class ContextFull(Exception):
@@ -76,10 +77,14 @@ class SGLangGenerator:
         return r.json()["text"].strip()
 
 
-def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: int = 1):
+def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: int = 1, deadline: float | None = None):
     """New conversations whose assistant turns are the target's replies to the preceding turns, yielded in order
-    as each is ready (so that a caller can keep them before the next one is generated)."""
+    as each is ready (so that a caller can keep them before the next one is generated).
+    ``deadline`` (a ``time.monotonic()`` value): no conversation starts after it; those started are finished. As
+    conversations start in order, what is yielded is then a prefix of ``conversations``."""
     def one(conv):
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
         messages, cut = [], None
         for m in conv["messages"]:
             if m["role"] == "assistant":
@@ -93,9 +98,17 @@ def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: 
                 messages.append(m)
         return {**conv, "messages": messages, "regenerated": True, **({"cut_at_context": cut} if cut else {})}
     if concurrency <= 1:
-        yield from map(one, conversations)
-        return
-    from concurrent.futures import ThreadPoolExecutor
+        results = map(one, conversations)
+    else:
+        from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(concurrency) as pool:
-        yield from pool.map(one, conversations)
+        pool = ThreadPoolExecutor(concurrency)  # its threads take the conversations in order (a FIFO queue)
+        results = pool.map(one, conversations)
+    try:
+        for r in results:
+            if r is None:  # past the deadline: so is every later one
+                return
+            yield r
+    finally:
+        if concurrency > 1:
+            pool.shutdown(wait=True, cancel_futures=True)
