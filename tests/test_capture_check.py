@@ -21,30 +21,35 @@ def setting(target_path):
     keys = list(prompts)
     caps = {k: {**{n: t.to(torch.bfloat16) for n, t in b16.hidden(prompts[k]).items() if n != "token_ids"},
                 "token_ids": torch.tensor(prompts[k])} for k in keys}
-    return ref, prompts, bounds, caps
+    return ref, prompts, bounds, caps, b16
 
 
 def test_bounds_are_calibrated_below_what_a_mistake_costs(setting):
-    _, _, bounds, _ = setting
+    _, _, bounds, _, _ = setting
     assert set(bounds) == {2, 15, 27, 30, spec.FINAL_NORMED}
     assert all(0.03 <= b < 0.5 for b in bounds.values()), bounds  # mistakes cost 50-100 % on the tokens they touch
 
 
 def test_a_bf16_capture_passes_every_slot(setting):
-    ref, prompts, bounds, caps = setting
+    ref, prompts, bounds, caps, _ = setting
     for k, ids in prompts.items():  # two of them were not used for the calibration
         rows = spec.check_sample(caps[k], ids, ref.hidden(ids), ref.layer_ids, bounds)
         assert len(rows) == 5 and all(r["ok"] for r in rows), rows
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["slot bounds", "token bounds"])
 @pytest.mark.parametrize("mistake", ["token shifted by one", "rows of the next request in the batch",
                                      "neighbouring layer", "3 tokens corrupted", "final slot post-norm"])
-def test_each_mistake_is_rejected(setting, mistake):
-    ref, prompts, bounds, caps = setting
+def test_each_mistake_is_rejected(setting, mistake, per_token):
+    """Also with the bounds raised at the prompt's own bf16-fragile tokens (``token_bounds``, as the load test and
+    the data set's reference check use them)."""
+    ref, prompts, bounds, caps, b16 = setting
     k, other = list(prompts)[2:4]
     cands = spec.all_reference_states(ref, prompts[k])
     bad = spec.corruptions(caps[k], caps[other], cands, ref.layer_ids)[mistake]
-    rows = spec.check_sample(bad, prompts[k], ref.hidden(prompts[k]), ref.layer_ids, bounds)
+    r0 = ref.hidden(prompts[k])
+    at = spec.token_bounds(bounds, spec.bf16_errors(b16, prompts[k], r0)) if per_token else bounds
+    rows = spec.check_sample(bad, prompts[k], r0, ref.layer_ids, at)
     failed = [r for r in rows if not r["ok"]]
     assert failed, f"{mistake} passed the check: {rows}"
     if mistake == "3 tokens corrupted":
@@ -53,8 +58,26 @@ def test_each_mistake_is_rejected(setting, mistake):
         assert all(r["token_rel_err"] < bounds[r["layer_id"]] for r in failed)
 
 
+def test_token_bounds_raise_only_around_the_fragile_tokens():
+    """A token whose own bf16 error is beyond what calibration saw raises the bound there and within the window,
+    nowhere else; a capture as far off at that token passes, the same error on an ordinary token fails."""
+    e = torch.full((40,), 0.01)
+    e[20] = 0.2  # e.g. ' assistant' deep in a long prompt
+    at = spec.token_bounds({30: 0.1}, {30: e}, factor=3.0, window=2)[30]
+    assert torch.allclose(at[18:23], torch.full((5,), 0.6)) and (at[:18] == 0.1).all() and (at[23:] == 0.1).all()
+    ref = torch.randn(40, 8)
+    cap = ref.clone()
+    cap[20] += 0.45 * ref[20].norm() / 8 ** 0.5  # 0.45 off at the fragile token
+    assert spec.check_states(cap, ref, at)["ok"] and not spec.check_states(cap, ref, 0.1)["ok"]
+    cap2 = ref.clone()
+    cap2[5] += 0.45 * ref[5].norm() / 8 ** 0.5  # as far off on an ordinary token
+    row = spec.check_states(cap2, ref, at)
+    assert not row["ok"] and row["tokens_over"] == 1 and row["bound"] == pytest.approx(0.1)
+    assert spec.token_bounds({30: 0.1, 2: 0.05}, {30: e})[2] == 0.05  # a slot without errors keeps its bound
+
+
 def test_token_ids_that_are_not_the_prompt_fail(setting):
-    ref, prompts, bounds, caps = setting
+    ref, prompts, bounds, caps, _ = setting
     k = next(iter(prompts))
     cap = {**caps[k], "token_ids": torch.roll(caps[k]["token_ids"], 1)}
     rows = spec.check_sample(cap, prompts[k], ref.hidden(prompts[k]), ref.layer_ids, bounds)
@@ -62,7 +85,7 @@ def test_token_ids_that_are_not_the_prompt_fail(setting):
 
 
 def test_chunked_vs_unchunked_checks_token_ids(setting, tmp_path):
-    ref, prompts, _, _ = setting
+    ref, prompts, _, _, _ = setting
     keys = list(prompts)[:2]
     for d in ("a", "b"):
         for key in keys:

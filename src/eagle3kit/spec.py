@@ -37,11 +37,28 @@ def probe_prompts(tokenizer, n: int, min_len: int, max_len: int, seed: int = 0, 
     raise ValueError(f"only {len(prompts)} of {n} prompts reach {min_len} tokens in {data}")
 
 
+def load_prompts(tokenizer, n: int, max_len: int, seed: int = 0) -> dict:
+    """``n`` prompts of real text with lengths drawn uniformly in [16, max_len]: rendered ShareGPT conversations
+    joined until the drawn length is reached (the GPU load test's; a chat template's role tokens recur inside)."""
+    from eagle3kit.data.conversations import load_conversations
+    from eagle3kit.data.render import render
+
+    convs, _ = load_conversations("embedded:sharegpt", limit=3000)
+    rng = random.Random(seed)
+    pool = [render(tokenizer, c["messages"]).input_ids for c in rng.sample(convs, min(len(convs), 600))]
+    prompts = {}
+    for i in range(n):
+        want, ids = rng.randint(16, max_len), []
+        while len(ids) < want:
+            ids += pool[rng.randrange(len(pool))]
+        prompts[f"load{i:04d}"] = ids[:want]
+    return prompts
+
+
 def calibration_set(prompts: dict, n: int) -> dict:
     """``n`` of ``prompts`` spread over their lengths, the longest included: the worst token of a bf16 run grows with
-    the tokens looked at, so bounds calibrated on the first (or shortest) prompts are too tight for the longest (on
-    the GPU: 8 first prompts of a 256-request load test gave a bound that one token of a 3,930-token request passed
-    by 3.5 %, every other check on 1.07 M tokens inside it)."""
+    the tokens looked at, so bounds calibrated on the first (or shortest) prompts are too tight for the longest. It
+    is not enough alone: the worst token also depends on the prompt (bf16-fragile tokens, ``token_bounds``)."""
     if n >= len(prompts):
         return dict(prompts)
     by_len = sorted(prompts, key=lambda k: (len(prompts[k]), k))
@@ -49,38 +66,76 @@ def calibration_set(prompts: dict, n: int) -> dict:
     return {k: prompts[k] for k in prompts if k in picks}
 
 
-def calibrate_bounds(reference, prompts: dict, factor: float = 3.0, floor: float = 0.03, refs: dict | None = None) -> dict:
+def bf16_engine(reference):
+    """The reference's model in bf16 (same layers, final normed state kept): the engine whose own error against
+    the fp32 reference calibrates the bounds."""
+    from eagle3kit.capture.reference import ReferenceEngine
+
+    return ReferenceEngine(reference.path, reference.layer_ids[:-1], final_normed=True, dtype="bfloat16",
+                           device=str(reference.device))
+
+
+def bf16_errors(b16, ids, ref: dict) -> dict:
+    """Per-token error of the bf16 engine ``b16`` against the fp32 reference's tensors ``ref`` on tokens ``ids``:
+    slot (layer id or FINAL_NORMED) -> [tokens]."""
+    a = b16.hidden(ids)
+    out = {layer: token_errors(a["hidden_states"][:, j], ref["hidden_states"][:, j])
+           for j, layer in enumerate(b16.layer_ids)}
+    if FINAL_NORMED in a and FINAL_NORMED in ref:
+        out[FINAL_NORMED] = token_errors(a[FINAL_NORMED], ref[FINAL_NORMED])
+    return out
+
+
+def calibrate_bounds(reference, prompts: dict, factor: float = 3.0, floor: float = 0.03, refs: dict | None = None,
+                     b16=None) -> dict:
     """Per-token error bound of each slot, calibrated on bf16: the same model run in bf16 against the fp32
     reference on the same prompts; bound = max(floor, factor x the worst token seen). A bf16 engine (SGLang) stays
     inside it; a shifted token, another request's rows, a neighbouring layer or a post-norm state are 30-100 %
     off on the tokens they touch (``corruptions``; tests/test_capture_check.py). ``refs``: filled with the fp32
-    reference's tensors per prompt key, for the check to reuse instead of running them again."""
-    from eagle3kit.capture.reference import ReferenceEngine
-
-    b16 = ReferenceEngine(reference.path, reference.layer_ids[:-1], final_normed=True, dtype="bfloat16",
-                          device=str(reference.device))
+    reference's tensors per prompt key, for the check to reuse instead of running them again. ``b16``: a
+    ``bf16_engine`` to use (kept by the caller for ``token_bounds``); None: one made and dropped here."""
+    own = b16 is None
+    b16 = bf16_engine(reference) if own else b16
     worst: dict = {}
     refs = {} if refs is None else refs
     for key, ids in prompts.items():
-        a = b16.hidden(ids)
         b = refs[key] = refs.get(key) or reference.hidden(ids)
-        for j, layer in enumerate(reference.layer_ids):
-            e = token_errors(a["hidden_states"][:, j], b["hidden_states"][:, j]).max().item()
-            worst[layer] = max(worst.get(layer, 0.0), e)
-        if FINAL_NORMED in a and FINAL_NORMED in b:
-            e = token_errors(a[FINAL_NORMED], b[FINAL_NORMED]).max().item()
-            worst[FINAL_NORMED] = max(worst.get(FINAL_NORMED, 0.0), e)
-    del b16
+        for slot, e in bf16_errors(b16, ids, b).items():
+            worst[slot] = max(worst.get(slot, 0.0), e.max().item())
+    if own:
+        del b16
     return {k: max(floor, factor * v) for k, v in worst.items()}
+
+
+def token_bounds(bounds: dict, errors: dict, factor: float = 5.0, window: int = 4) -> dict:
+    """Bounds for one prompt, per token: each slot's calibrated bound, raised to ``factor`` x the bf16 engine's own
+    error at that token (``bf16_errors`` on the same prompt). Some tokens are fragile in bf16 whatever the engine:
+    in SmolLM2, a chat template's ' assistant' in the middle of a long prompt is 0.2-0.37 off in transformers' own
+    bf16 at the deep slots, while whole prompts of 8 K tokens stay under 0.07; a bound from a few calibration
+    prompts cannot cover them (the ninth and tenth sessions' load tests: docs/reliability.md). Everywhere else
+    the bound stays the slot's, so a mistake on ordinary tokens is judged as before. ``factor`` is larger than the
+    calibration's 3: at such a token the error changes with the kernels' blocking (0.14 to 0.37 for the same token
+    in transformers' bf16 on a CPU, with other thread counts or the prompt cut later), and SGLang's was up to 3.2x
+    transformers' there. ``window``: a fragile token's error is taken for its neighbours up to that far too (the
+    tokens after a role token share it, and which of them is worst changes)."""
+    def spread(e):
+        e = e.float().reshape(1, 1, -1)
+        return torch.nn.functional.max_pool1d(e, 2 * window + 1, stride=1, padding=window).reshape(-1) if window else e.reshape(-1)
+    return {k: torch.clamp(factor * spread(errors[k]), min=v) if k in errors else v for k, v in bounds.items()}
 
 
 def check_states(captured: torch.Tensor, ref: torch.Tensor, bound: float) -> dict:
     """One slot of one request against the reference: every token within ``bound`` (the worst token decides; a
     median or whole-tensor error lets a few bad tokens through)."""
     e = token_errors(captured, ref)
+    per_token = isinstance(bound, torch.Tensor)  # token_bounds: the bound at each token
+    at = bound.to(e.device) if per_token else bound
+    worst = int(e.argmax())
     return {"token_worst_err": e.max().item(), "token_p99_err": e.quantile(0.99).item() if e.numel() > 1 else
             e.max().item(), "token_rel_err": e.median().item(), "rel_err": rel_err(captured, ref),
-            "tokens_over": int((e > bound).sum()), "bound": bound, "ok": bool((e <= bound).all())}
+            "tokens_over": int((e > at).sum()), "bound": float(at[worst]) if per_token else bound,
+            **({"bound_min": float(at.min()), "tokens_raised": int((at > at.min()).sum())} if per_token else {}),
+            "ok": bool((e <= at).all())}
 
 
 def check_sample(cap: dict, ids, ref: dict, layer_ids, bounds: dict) -> list[dict]:
@@ -96,17 +151,19 @@ def check_sample(cap: dict, ids, ref: dict, layer_ids, bounds: dict) -> list[dic
 
 
 def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, rank: int = 0,
-                         refs: dict | None = None) -> list[dict]:
+                         refs: dict | None = None, b16=None) -> list[dict]:
     """One row per (request, slot): the capture against the reference engine's state (``check_states``);
     ``refs``: reference tensors already computed per key (``calibrate_bounds``); those computed here are added to
-    it (leave it None to keep none: a load test's references are GBs)."""
+    it (leave it None to keep none: a load test's references are GBs). ``b16``: a ``bf16_engine``: each prompt's
+    bounds are then raised at its own bf16-fragile tokens (``token_bounds``)."""
     rows = []
     for key, ids in prompts.items():
         cap, meta = read_sample(Path(capture_dir) / f"{key}.rank{rank}.safetensors")
         ref = refs[key] if refs is not None and key in refs else reference.hidden(ids)
         if refs is not None:
             refs[key] = ref
-        for r in check_sample(cap, ids, ref, meta["layer_ids"], bounds):
+        at = bounds if b16 is None else token_bounds(bounds, bf16_errors(b16, ids, ref))
+        for r in check_sample(cap, ids, ref, meta["layer_ids"], at):
             rows.append({"key": key, "n_tokens": len(ids), **r})
     return rows
 

@@ -1,5 +1,6 @@
 """``eagle3kit verify --reference N``: N samples of a data set, drawn at random, recomputed by the reference engine
-(transformers) from their own token ids and checked per token (``spec.check_sample``, bounds calibrated on bf16).
+(transformers) from their own token ids and checked per token (``spec.check_sample``, bounds calibrated on bf16 and
+raised at each sample's own bf16-fragile tokens, ``spec.token_bounds``).
 
 Checksums prove the files are what was written; this proves what was written is the target's states at the data
 set's layers: a capture at the wrong layers, a shifted token, another request's rows or a post-norm final slot
@@ -35,10 +36,13 @@ def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibra
     samples = {e["key"]: load_checked(out_dir, e) for e in picked}  # checksum and manifest token ids first
     ids = {k: s["token_ids"].tolist() for k, s in samples.items()}
     refs: dict = {}
-    bounds = spec.calibrate_bounds(ref, spec.calibration_set(ids, calibration), refs=refs)
+    b16 = spec.bf16_engine(ref)
+    bounds = spec.calibrate_bounds(ref, spec.calibration_set(ids, calibration), refs=refs, b16=b16)
     rows = []
     for k, s in samples.items():
-        for r in spec.check_sample(s, ids[k], refs.get(k) or ref.hidden(ids[k]), ref.layer_ids, bounds):
+        r0 = refs.get(k) or ref.hidden(ids[k])
+        at = spec.token_bounds(bounds, spec.bf16_errors(b16, ids[k], r0))  # raised at this sample's fragile tokens
+        for r in spec.check_sample(s, ids[k], r0, ref.layer_ids, at):
             rows.append({"key": k, **r})
     failed = sorted({r["key"] for r in rows if not r["ok"]})
     return {"checked": len(samples), "failed": failed, "rows": rows, "bounds": bounds}

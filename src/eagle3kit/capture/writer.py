@@ -19,8 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from eagle3kit.capture.assemble import Piece, Reassembler, Selection
 from eagle3kit.capture.format import atomic_write, status_path, write_marker, write_sample
 
