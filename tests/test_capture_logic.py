@@ -309,6 +309,24 @@ def test_capture_layout_under_dp_attention():
     assert capture_layout(2, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 2, "cp_rank": 1})[0] != 0
 
 
+def test_capture_layout_refuses_split_layer_outputs_and_allows_expert_parallelism():
+    """An all-to-all MoE backend splits MoE layers' outputs across a group's GPUs (plain TP, or DP attention with
+    more than one GPU per group): refused, naming the flag and the fix. One GPU per group (dp = tp) keeps whole rows;
+    --ep-size alone (backend none) too. Two-batch overlap is refused under plain TP as well."""
+    from eagle3kit.capture.hook import capture_layout
+
+    rank, size, dp, refused = capture_layout(1, 2, None, None, {"a2a": "deepep"})
+    assert (rank, size) == (1, 2) and "--moe-a2a-backend deepep" in refused and "Fix:" in refused
+    assert capture_layout(0, 2, None, None, {"a2a": "none", "two_batch_overlap": False}) == (0, 2, None, None)
+    assert capture_layout(0, 1, None, None, {"a2a": "deepep"})[3] is None  # one GPU: nothing split
+    one_per_group = {"tp_rank": 0, "tp_size": 1, "dp_rank": 1, "cp_rank": 0}
+    assert capture_layout(1, 2, None, one_per_group, {"a2a": "deepep"}) == (0, 1, 1, None)
+    refused = capture_layout(1, 4, None, {"tp_rank": 1, "tp_size": 2, "dp_rank": 0, "cp_rank": 0}, {"a2a": "deepep"})[3]
+    assert "2 GPUs per group" in refused
+    assert "two-batch-overlap" in capture_layout(0, 2, None, None, {"two_batch_overlap": True})[3]
+    assert "two-batch-overlap" in capture_layout(0, 2, None, one_per_group, {"two_batch_overlap": True})[3]
+
+
 def test_a_refused_session_says_why_and_a_dressed_up_batch_is_not_captured(tmp_path):
     """A session refused at setup (DP attention with several GPUs per group, say) is inactive and its reason is in
     the status the client and the probe read. A DECODE/IDLE batch SGLang dressed as EXTEND

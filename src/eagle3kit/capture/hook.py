@@ -255,7 +255,7 @@ def _session(config: dict) -> CaptureSession:
         except Exception:  # noqa: BLE001 - not initialised: a single process
             rank, size = 0, 1
         allow_profiler()
-        rank, size, dp, refused = capture_layout(rank, size, dp_rank(), _dp_attention())
+        rank, size, dp, refused = capture_layout(rank, size, dp_rank(), _dp_attention(), _server_features())
         session = _SESSIONS[key] = CaptureSession(config, rank, size, ForwardMode.EXTEND, ForwardBatch, dp_rank=dp)
         if refused:
             session.refuse(refused)
@@ -280,7 +280,19 @@ def _dp_attention() -> dict | None:
         return None
 
 
-def capture_layout(tp_rank: int, tp_size: int, dp: int | None, dpa: dict | None) -> tuple:
+def _server_features() -> dict:
+    """What of this server's settings changes which rows a layer's output holds (SGLang's resolved arguments)."""
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        args = get_global_server_args()
+        return {"a2a": str(getattr(args, "moe_a2a_backend", None) or "none"),
+                "two_batch_overlap": bool(getattr(args, "enable_two_batch_overlap", False))}
+    except Exception:  # noqa: BLE001 - an SGLang without them: nothing known to refuse
+        return {}
+
+
+def capture_layout(tp_rank: int, tp_size: int, dp: int | None, dpa: dict | None, features: dict | None = None) -> tuple:
     """(rank, group size, DP index, refusal or None) the capture session runs with.
 
     Plain TP: every TP rank holds the same full hidden states; ranks are TP ranks (rank 0 writes by default), ``dp``
@@ -290,10 +302,25 @@ def capture_layout(tp_rank: int, tp_size: int, dp: int | None, dpa: dict | None)
     markers named ``rank0`` (a request is served by one group: no name collides), status per group (``dp``). With an
     attention-TP group of more than one GPU a layer's output may be split across its ranks (SCATTERED under DeepEP or
     --moe-dense-tp-size 1): refused, fix dp = tp. Two-batch overlap runs MoE layers without their module hooks:
-    refused."""
+    refused. ``features`` (``_server_features``): an all-to-all MoE backend (``--moe-a2a-backend`` deepep etc.) leaves
+    the outputs of MoE layers split across the ranks of a group of more than one GPU (SCATTERED, SGLang 0.5.14
+    ``layers/communicator.py``), under plain TP too: refused; ``--ep-size`` alone splits only the experts (an all-reduce
+    follows), so layer outputs stay whole and it is allowed."""
+    features = features or {}
+    group = dpa["tp_size"] if dpa is not None else tp_size
+    if features.get("a2a", "none") != "none" and group > 1:
+        refused = (f"capture cannot run with --moe-a2a-backend {features['a2a']} on {group} GPUs per group: the outputs "
+                   f"of MoE layers are split across them, no rank holds every row. Fix: --moe-a2a-backend none (expert "
+                   f"parallelism with --ep-size keeps whole outputs), or --enable-dp-attention with --dp equal to --tp")
+        return (tp_rank, tp_size, dp, refused) if dpa is None else (dpa["tp_rank"], group, dpa["dp_rank"], refused)
     if dpa is None:
+        if features.get("two_batch_overlap"):
+            return tp_rank, tp_size, dp, ("capture cannot run with --enable-two-batch-overlap: its MoE layers run "
+                                          "without their module hooks. Fix: leave it off for the capture server")
         return tp_rank, tp_size, dp, None
     refused = None
+    if features.get("two_batch_overlap"):
+        dpa = {**dpa, "two_batch_overlap": True}
     if dpa["tp_size"] > 1:
         refused = (f"capture under --enable-dp-attention needs one GPU per attention-DP group (dp = tp); this server "
                    f"has {dpa['tp_size']} per group, whose layer outputs may be split across them. Fix: --dp equal "
