@@ -6,6 +6,8 @@
 #   deepseek, kimi: the notebooks of params/gpu-{deepseek,kimi}-tiny.yaml on the tiny DeepSeek-V3 / Kimi-K2.5 target
 #     (their own ports: a chain may run them at once); family: both, in turn
 #   dp: extraction with regeneration on one server with --dp 2 (params/gpu-smollm2-dp2.yaml; needs 2 GPUs)
+#   familytp: the tiny family at TP 2, under --ep-size 2 and under DP attention (needs 2 GPUs; see the phase)
+#   ddp: the drafter trained by 2 ranks and by 1 with the same global batch (needs 2 GPUs and the data phase's data)
 #   data, train, serve: the drafter pipeline (params/gpu-smollm2-drafter.yaml) in /root/work, one phase per call
 #     data:  03_extract (regenerated, SGLang) + the controls' data: original replies (SGLang, second server),
 #            states from transformers (same conversations), fp8 and post-norm data sets derived from the main one
@@ -111,6 +113,28 @@ for what in ${phases//,/ }; do
     deepseek|kimi)  # one of the users' family (#14; own ports: the two may run at once, see gpu_chain.sh)
         $stop python3 -m eagle3kit.cli run params/gpu-$what-tiny.yaml --run-dir "$rec/$what" "${@:2}" 2>&1 | tee "$rec/$what.log"
         rc=${PIPESTATUS[0]} ;;
+    familytp)  # #14 on two GPUs (nvidia-h200-x2): per tiny target, 01 at TP 2 (replication per layer slot, MoE
+        # layers included), then 02 and 03 under --tp 2, under expert parallelism (--ep-size 2) and under DP attention
+        # (one GPU per attention-DP group), each in its own run folder; E3K_FAMILY picks the targets
+        rc=0
+        for t in ${E3K_FAMILY:-deepseek kimi}; do
+          base=$(python3 -c "import json, yaml; print(json.dumps(yaml.safe_load(open('params/gpu-$t-tiny.yaml'))['common']['server_args']))")
+          $stop python3 -m eagle3kit.cli run params/gpu-$t-tiny.yaml --only 01_tp_check --run-dir "$rec/$t-tp2" \
+            --set 01_tp_check.tp_ranks=2 > "$rec/$t-tp2.log" 2>&1 || rc=1
+          for mode in "tp2:--tp 2" "ep2:--tp 2 --ep-size 2" "dpa2:--tp 2 --dp 2 --enable-dp-attention"; do
+            args=$(python3 -c "import json, sys; print(json.dumps(json.loads(sys.argv[1]) + sys.argv[2].split()))" "$base" "${mode#*:}")
+            $stop python3 -m eagle3kit.cli run params/gpu-$t-tiny.yaml --only 02_capture_spec 03_extract \
+              --run-dir "$rec/$t-${mode%%:*}" --set "server_args=$args" > "$rec/$t-${mode%%:*}.log" 2>&1 || rc=1
+          done
+        done ;;
+    ddp)  # #10's scale-out on two GPUs: the drafter trained by 2 ranks (torchrun, nccl) on the data phase's data set,
+        # and by 1 rank with the same global batch, for the same steps; the two runs' held-out figures side by side
+        rc=0; steps=${E3K_DDP_STEPS:-300}
+        $stop torchrun --nproc-per-node 2 -m eagle3kit.cli train --data "$R/03_extract/data" --out "$W/ddp2" \
+          --set max_steps=$steps --set eval_every=$steps --set progress=false > "$rec/ddp2.log" 2>&1 || rc=1
+        $stop python3 -m eagle3kit.cli train --data "$R/03_extract/data" --out "$W/ddp1" --set max_steps=$steps \
+          --set eval_every=$steps --set grad_accum=2 --set progress=false > "$rec/ddp1.log" 2>&1 || rc=1
+        for d in ddp1 ddp2; do mkdir -p "$rec/$d" && (cd "$W/$d" 2>/dev/null && find . -type f ! -name '*.safetensors' ! -name '*.pt' -print0 | xargs -0 -r cp --parents -t "$rec/$d"); done ;;
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" --work /root/bench-work --rounds ${E3K_BENCH_ROUNDS:-3} --samples ${E3K_BENCH_SAMPLES:-1500} \
           --profile-seconds 0 "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"

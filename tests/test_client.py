@@ -196,10 +196,12 @@ def test_a_named_cache_namespace_is_shared_by_the_requests_given_it_and_by_no_ot
         client = CaptureClient(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=10)
         for key, ns in (("first", "pair"), ("second", "pair"), ("other", None), ("shared", False)):
             client.capture(key, [1, 2, 3], isolate_cache=ns)
+        client.capture("pinned", [1, 2, 3], isolate_cache="pair", routed_dp_rank=1)  # one DP group's cache
     finally:
         server.shutdown()
     keys = [b.get("extra_key") for b in bodies]
     assert keys[:2] == ["pair", "pair"] and keys[2] not in (None, "pair") and keys[3] is None
+    assert [b.get("routed_dp_rank") for b in bodies] == [None] * 4 + [1]
 
 
 def info_server(info: dict):

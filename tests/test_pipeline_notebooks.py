@@ -40,3 +40,19 @@ def test_demo_pipeline_small(tmp_path):
         most = 4 + int(st["seconds"] // 30)
         assert "Loading weights" not in text, step
         assert text.count("extract:") <= most and text.count("train:") <= most, (step, most)
+
+
+def test_tp_check_under_dp_attention_says_not_applicable(tmp_path):
+    """01 with --enable-dp-attention: each attention-DP group holds its own rows on one GPU (capture refuses more per
+    group), so there is no replica to compare: the verdict says so and the step passes (it used to fail, stopping a
+    family run before 02 and 03 could capture per group)."""
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "run", str(ROOT / "params" / "demo.yaml"),
+                        "--run-dir", str(run_dir), "--only", "01_tp_check", "--set", "01_tp_check.num_prompts=2",
+                        "--set", "01_tp_check.tp_ranks=2",
+                        "--set", "01_tp_check.server_args=[--tp, '2', --dp, '2', --enable-dp-attention]"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    m = json.loads((run_dir / "metrics.json").read_text())
+    assert m["tp_verdict"].startswith("not applicable: DP attention") and m["tp_dp_attention"] is True
+    assert m["tp_check_run"] is False and m["tp_ranks"] == 2 and "tp_bitwise_equal_fraction" not in m

@@ -276,8 +276,10 @@ def observe_sglang(path, aux, prompts: dict, work: Path, server_args=(), port: i
         # the pair in a cache namespace of its own: the first request cannot hit anything sent before it (SGLang's
         # shared namespace held 344 of the 388 tokens before it on the tiny Kimi target), the second hits the first
         pair = f"hit-pair.{uuid.uuid4().hex[:16]}"
-        obs["hit_first"] = chunked.capture("hit_first", hit_ids, isolate_cache=pair)
-        obs["hit_second"] = chunked.capture("hit_second", hit_ids, isolate_cache=pair)
+        # several DP workers or attention-DP groups each keep their own cache: both requests to the first one
+        pin = {"routed_dp_rank": 0} if any(a in server_args for a in ("--dp", "--dp-size", "--data-parallel-size")) else {}
+        obs["hit_first"] = chunked.capture("hit_first", hit_ids, isolate_cache=pair, **pin)
+        obs["hit_second"] = chunked.capture("hit_second", hit_ids, isolate_cache=pair, **pin)
         obs["chunked_status"] = chunked.status()
     finally:
         for s in servers.values():

@@ -47,15 +47,19 @@ class CaptureClient:
             (self.capture_dir / f"{sample_name(key, self.rank)}{suffix}").unlink(missing_ok=True)
 
     def generate(self, key: str, input_ids: list[int], max_new_tokens: int = 0, url: str | None = None,
-                 isolate_cache: bool | str | None = None, **sampling) -> dict:
+                 isolate_cache: bool | str | None = None, routed_dp_rank: int | None = None, **sampling) -> dict:
         """``isolate_cache``: True, a fresh cache namespace (``extra_key``) for this request; a string, that namespace
-        (requests sharing it can hit each other's prefixes and nothing else's); False, SGLang's shared namespace."""
+        (requests sharing it can hit each other's prefixes and nothing else's); False, SGLang's shared namespace.
+        ``routed_dp_rank``: the data-parallel worker / attention-DP group to serve it (SGLang's ``routed_dp_rank``);
+        None: SGLang's own dispatch (round robin), so two requests meant to share a prefix cache may not."""
         rid = make_rid(key, len(input_ids), self.prefix)
         ids = input_ids.tolist() if hasattr(input_ids, "tolist") else list(input_ids)  # tensors, arrays, lists
         if ids and type(ids[0]) is not int:  # numpy scalars in a list, say: JSON takes Python ints only
             ids = [int(x) for x in ids]
         body = {"input_ids": ids, "rid": rid,
                 "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, **sampling}}
+        if routed_dp_rank is not None:
+            body["routed_dp_rank"] = int(routed_dp_rank)
         if isinstance(isolate_cache, str):
             body["extra_key"] = isolate_cache
         elif self.isolate_cache if isolate_cache is None else isolate_cache:
