@@ -7,19 +7,16 @@
 #          setsid nohup bash scripts/gpu_chain.sh > /root/chain.log 2>&1 < /dev/null &
 #   poll:  sleep 200; bash scripts/gpu_poll.sh   (the chain's log, and every phase's folder so far, into $OUT)
 # E3K_CHAIN: "group:seconds ..." where a group is one phase or several joined by "+" that run at once on the one GPU
-# (phase@N: that phase starts N seconds after the group, so that servers do not start at the same moment). Two chains
-# may run side by side as lanes (e.g. the drafter's data, train, serve beside faults+kimi): each cleans up only its
-# own phases' servers.
-# (what only needs correctness, not the whole GPU: each SGLang server takes --mem-fraction-static of the memory still
-# free when it starts, so servers of different phases fit side by side; their ports differ). Starts at the same moment
-# race: SGLang measures free memory before loading and sizes its KV pool after, so what another phase allocates in
-# between counts against it ("Loaded weights leave no GPU memory for the KV cache", seen 2026-12-01); the family's
-# params use 0.5 for that margin. seconds: the limit of
-# each long command in the group; a command cut by it still leaves what it wrote to its phase's archive. The default
-# is what the open issues' records still lack after 2026-12-01: faults (#12: the load test's rerun with the
-# length-spread calibration) beside kimi (#14: 02 with its own cache namespace for the prefix pair, then 03), then
-# bench (#13: with the early-writeback A/B) alone, as throughput needs the whole GPU; deepseek ran whole. The drafter
-# phases (data, train, serve: #10/#11) share /root/work, in that order.
+# (what only needs correctness, not the whole GPU; phase@N: that phase starts N seconds after the group). Each SGLang
+# server takes --mem-fraction-static of the memory still free when it starts, so servers of different phases fit side
+# by side (their ports differ); starts at the same moment race (SGLang measures free memory before loading and sizes
+# its KV pool after: "Loaded weights leave no GPU memory for the KV cache", seen 2026-12-01), hence the delays and the
+# family's 0.5. seconds: the limit of each long command in the group; a command cut by it still leaves what it wrote
+# to its phase's archive. Two chains may run side by side as lanes, each cleaning up only its own phases' servers
+# (log to /root/chain-<lane>.log). The default is what the open issues' records still lack after 2026-12-01 (tenth
+# session): faults (#12: the load test with token bounds) beside the drafter's data, with regeneration inside
+# decode graphs (#10), then train alone for 10 minutes and serve (#11). For the drafter, run data, train, serve as one
+# lane and faults as a second; on a two-GPU machine, familytp and ddp (#14, #10's scale-out) first.
 set -u
 # Every device call replaces the repository's copy on the machine with the caller's tree, while the chain runs: a phase
 # that opened a notebook at that moment found it missing (2026-12-01, 04_train: "No such file ...01_tp_check.ipynb").
@@ -37,7 +34,7 @@ kill_servers_of() {  # only this phase's SGLang processes: another chain (a seco
     tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$1" && kill -9 "$p" 2>/dev/null
   done
 }
-CHAIN=${E3K_CHAIN:-"faults+kimi:600 bench:600"}
+CHAIN=${E3K_CHAIN:-"data+faults@60:720 train:780 serve:480"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   group=${item%%:*} limit=${item#*:}
