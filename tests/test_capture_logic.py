@@ -188,6 +188,34 @@ def test_hook_errors_are_counted_not_raised(tmp_path):
     assert m["status"] == "error" and "capture hook error in end" in m["reason"] and "did not fire" in m["reason"]
 
 
+def test_an_injected_fault_fails_its_forward_once_and_names_its_requests(tmp_path):
+    """fail_keys_once (the GPU fault test's injection): the first forward holding the key raises inside the hook as a
+    bug would; every request of that forward gets an error marker naming the fault, the next capture of the key is
+    written, and a config without it carries no such key."""
+    from eagle3kit.capture import hook
+
+    assert "fail_keys_once" not in capture_config(tmp_path, [2], 4)
+    cfg = capture_config(tmp_path, [2], 4, fail_keys_once=["x"])
+    session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
+
+    def forward(keys):
+        fb = fake_batch(Mode.EXTEND, [make_rid(k, 3) for k in keys], [3] * len(keys), [0] * len(keys),
+                        torch.arange(3 * len(keys)))
+        h = torch.randn(3 * len(keys), 8)
+        for layer in (1, 3):
+            hook._guarded(session, f"layer {layer}", session.on_layer, layer, (None, h, fb, None), (h, None))
+        hook._guarded(session, "end", session.on_end, (torch.arange(3 * len(keys)), h, None, fb))
+    forward(["x", "y"])
+    st = session.writer.flush()
+    assert st["counts"]["errors"] == 1 and "injected fault" in st["last_error"]
+    for k in ("x", "y"):  # both requests of the failed forward are failed at once, with the reason
+        m = read_marker(tmp_path, k)
+        assert m["status"] == "error" and "injected fault for ['x']" in m["reason"]
+    forward(["x"])  # once per key: the retry is captured
+    session.writer.flush()
+    assert read_marker(tmp_path, "x")["status"] == "ok" and session.writer.ring.used == 0
+
+
 def test_forward_hooks_json_targets_exact_decoder_layers(tmp_path):
     cfg = capture_config(tmp_path, [2, 15, 27], 30, final_normed=True)
     specs = forward_hooks(cfg)

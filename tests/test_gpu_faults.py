@@ -144,3 +144,36 @@ def test_kill9_server_mid_extraction_then_resume(tmp_path):
     assert 0 < killed_at < expected and len(keys) == len(set(keys)) == expected
     assert all(k in after and after[k]["sha256"] == h for k, h in before.items())
     assert report.passed
+
+
+def test_an_exception_in_the_hook_fails_its_requests_and_the_retry_captures_them(tmp_path, tokenizer, target_path):
+    """An exception raised inside the capture hook in SGLang's scheduler (``fail_keys_once``: the first forward
+    holding one of 3 keys raises, as a bug would): the server keeps serving, the requests of that forward are failed at
+    once with the hook's error, the extraction's retry pass captures them, and the data set verifies."""
+    import requests
+
+    from eagle3kit.capture.client import CaptureClient
+    from eagle3kit.capture.server import capture_server
+    from eagle3kit.extract import SGLangBackend, extract, load_samples, settings_for
+    from eagle3kit.store import verify
+    from eagle3kit.target import TargetInfo
+
+    samples, _ = load_samples("embedded:sharegpt", tokenizer, 48, 512)
+    fail = [samples[i].key for i in (3, 17, 30)]
+    out = tmp_path / "d"
+    info = TargetInfo.read(target_path)
+    s = capture_server(target_path, out / "samples", [2, 15, 27], port=30970, extra_args=SERVER_ARGS,
+                       log_path=tmp_path / "sglang.log", fail_keys_once=fail)
+    with s:
+        summary = extract(samples, out, SGLangBackend([s.url], 16),
+                          settings_for(target_path, info, [2, 15, 27, 30], "bf16", "embedded:sharegpt", 512),
+                          progress=False)
+        health = requests.get(s.url + "/health", timeout=60).status_code
+        status = CaptureClient(s.url, out / "samples").status()["rank0"]
+    rep = verify(out)
+    _record(hook_fault_keys=len(fail), hook_fault_errors=status["counts"].get("errors", 0),
+            hook_fault_retried=summary["retried"], hook_fault_failed=summary["failed"],
+            hook_fault_health_after=health, hook_fault_verified=rep.ok, hook_fault_samples=len(samples))
+    assert health == 200 and status["counts"].get("errors", 0) >= 1 and "injected fault" in status["last_error"]
+    assert summary["retried"] >= len(fail) and summary["failed"] == 0
+    assert rep.passed and rep.ok == len(samples)

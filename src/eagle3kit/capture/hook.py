@@ -39,9 +39,11 @@ _SESSIONS: dict[str, "CaptureSession"] = {}
 
 def capture_config(capture_dir: str, aux_layer_ids, num_layers: int, *, final_normed: bool = False,
                    ranks="0", storage: str = "bf16", rid_prefix: str = RID_PREFIX, max_inflight_mb: int = 2048,
-                   io_threads: int = 4, model: str = "") -> dict:
+                   io_threads: int = 4, model: str = "", fail_keys_once=()) -> dict:
     """The hook's config. ``aux_layer_ids`` use the "input of layer k" convention (speculators/vLLM); the final
-    pre-norm state (input of layer ``num_layers``) is always appended as the last slot."""
+    pre-norm state (input of layer ``num_layers``) is always appended as the last slot. ``fail_keys_once``: fault
+    injection for the fault tests: the first forward holding one of these keys raises inside the hook (as a bug
+    would), once per key."""
     aux = [int(k) for k in aux_layer_ids]
     bad = [k for k in aux if not 1 <= k < num_layers]
     if bad:
@@ -51,7 +53,8 @@ def capture_config(capture_dir: str, aux_layer_ids, num_layers: int, *, final_no
         raise ValueError(f"ranks={ranks!r}: use '0' (one rank, default), 'all' (TP check) or a list of ranks")
     return {"capture_dir": str(capture_dir), "aux_layer_ids": aux, "num_layers": int(num_layers),
             "final_normed": bool(final_normed), "ranks": ranks, "storage": storage, "rid_prefix": rid_prefix,
-            "max_inflight_mb": int(max_inflight_mb), "io_threads": int(io_threads), "model": str(model)}
+            "max_inflight_mb": int(max_inflight_mb), "io_threads": int(io_threads), "model": str(model),
+            **({"fail_keys_once": [str(k) for k in fail_keys_once]} if fail_keys_once else {})}
 
 
 def slot_layers(config: dict) -> list[int]:
@@ -98,6 +101,7 @@ class CaptureSession:
         self.extend_mode = extend_mode
         self.fb_type = forward_batch_type
         self.prefix = config["rid_prefix"]
+        self._fail_once = set(config.get("fail_keys_once", ()))  # fault injection (capture_config)
         ranks = config["ranks"]
         self.active = ranks == "all" or (ranks == "0" and rank == 0) or (isinstance(ranks, list) and rank in ranks)
         slots = slot_layers(config)
@@ -225,6 +229,10 @@ class CaptureSession:
         if missing:
             raise RuntimeError(f"no output captured from decoder layers {missing}: their hooks did not fire "
                                f"(module names differ from the layer_module template?)")
+        inject = self._fail_once.intersection(sp.key for sp in st.sel.spans) if self._fail_once else set()
+        if inject:
+            self._fail_once -= inject
+            raise RuntimeError(f"injected fault for {sorted(inject)} (fail_keys_once)")
         if self._fp8:  # encoded where the states are (the GPU): half the bytes to copy, no quantizing on the host
             q, scale = fp8_encode(st.states)
             tensors = {"hidden_states_fp8": self._copy(st, q), "hidden_states_scale": self._copy(st, scale)}

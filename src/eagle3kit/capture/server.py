@@ -170,10 +170,11 @@ def probe_capture(url: str, capture_dir, timeout: float = 120) -> None:
 
 
 def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_normed=False, ranks="0",
-                   storage="bf16", extra_args=(), log_path=None, **kw) -> SGLangServer:
+                   storage="bf16", extra_args=(), log_path=None, fail_keys_once=(), **kw) -> SGLangServer:
+    """``fail_keys_once``: fault injection for the fault tests (``hook.capture_config``)."""
     info = TargetInfo.read(Path(model_path))
     cfg = capture_config(capture_dir, aux_layer_ids, info.num_layers, final_normed=final_normed, ranks=ranks,
-                         storage=storage, model=str(model_path))
+                         storage=storage, model=str(model_path), fail_keys_once=fail_keys_once)
     kw.setdefault("layer_module", decoder_layer_template(model_path))
     return SGLangServer(model_path, port=port, capture=cfg, extra_args=extra_args, log_path=log_path, **kw)
 
