@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             if k in cal:
                 worst_cal[str(slot)] = max(worst_cal.get(str(slot), 0.0), row["worst"])
         print(f"{k}: {len(prompts[k])} tokens, {time.time() - t0:.0f} s", flush=True)
-    bounds = {s: max(0.03, 3 * v) for s, v in worst_cal.items()}
+    bounds = spec.bounds_from_worst(worst_cal)  # as calibrate_bounds makes them
     for r in rows:
         r["slot_bound"] = round(bounds[r["slot"]], 4)
         r["beyond_slot_bound"] = r["worst"] > bounds[r["slot"]]

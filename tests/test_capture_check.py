@@ -48,7 +48,7 @@ def test_each_mistake_is_rejected(setting, mistake, per_token):
     cands = spec.all_reference_states(ref, prompts[k])
     bad = spec.corruptions(caps[k], caps[other], cands, ref.layer_ids)[mistake]
     r0 = ref.hidden(prompts[k])
-    at = spec.token_bounds(bounds, spec.bf16_errors(b16, prompts[k], r0)) if per_token else bounds
+    at = spec.prompt_bounds(bounds, prompts[k], r0, b16 if per_token else None)
     rows = spec.check_sample(bad, prompts[k], r0, ref.layer_ids, at)
     failed = [r for r in rows if not r["ok"]]
     assert failed, f"{mistake} passed the check: {rows}"

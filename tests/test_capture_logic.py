@@ -332,7 +332,7 @@ def test_capture_layout_under_dp_attention():
     assert capture_layout(5, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 5, "cp_rank": 0}) == (0, 1, 5, None)
     rank, size, dp, refused = capture_layout(5, 8, None, {"tp_rank": 1, "tp_size": 4, "dp_rank": 1, "cp_rank": 0})
     assert (rank, size, dp) == (1, 4, 1) and "Fix: --dp equal to --tp" in refused
-    refused = capture_layout(2, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 2, "two_batch_overlap": True})[3]
+    refused = capture_layout(2, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 2}, {"two_batch_overlap": True})[3]
     assert "two-batch-overlap" in refused
     assert capture_layout(2, 8, None, {"tp_rank": 0, "tp_size": 1, "dp_rank": 2, "cp_rank": 1})[0] != 0
 

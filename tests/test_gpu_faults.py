@@ -40,8 +40,8 @@ def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokeni
     from eagle3kit.capture.reference import ReferenceEngine
     from eagle3kit.capture.server import capture_server
     from eagle3kit.capture.format import read_sample
-    from eagle3kit.spec import (bf16_engine, bf16_errors, calibrate_bounds, calibration_set, compare_to_reference,
-                                load_prompts, negative_controls, token_bounds)
+    from eagle3kit.spec import (bf16_engine, calibrate_bounds, calibration_set, compare_to_reference, load_prompts,
+                                negative_controls, prompt_bounds)
 
     context = json.loads((Path(target_path) / "config.json").read_text())["max_position_embeddings"]
     prompts = load_prompts(tokenizer, LOAD_REQUESTS, context - 8, seed=LOAD_SEED)
@@ -67,8 +67,7 @@ def test_load_256_in_flight_random_lengths_to_the_context_limit(tmp_path, tokeni
         cap0, _ = read_sample(Path(s.capture["capture_dir"]) / f"{k0}.rank0.safetensors")
         cap1, _ = read_sample(Path(s.capture["capture_dir"]) / f"{k1}.rank0.safetensors")
         r0 = ref.hidden(ok[k0])
-        at = token_bounds(bounds, bf16_errors(b16, ok[k0], r0))
-        for name, failed in negative_controls(cap0, cap1, ok[k0], ref, r0, at).items():
+        for name, failed in negative_controls(cap0, cap1, ok[k0], ref, r0, prompt_bounds(bounds, ok[k0], r0, b16)).items():
             caught[f"{k0}: {name}"] = bool(failed)
     for a in range(0, len(keys), 16):  # a slice at a time: the captures of 256 long prompts are GBs
         part = {k: ok[k] for k in keys[a:a + 16]}

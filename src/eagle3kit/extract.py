@@ -293,6 +293,7 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
         raise ValueError(f"max_samples={max_samples}: give a positive number or None for all")
     limit = None if max_samples is None else max_samples * world_size
     convs, report = load_conversations(data, limit=limit)
+    left: set = set()  # conversations without the target's replies (a regeneration budget): not data
     if regenerate_with is not None:
         import json
 
@@ -312,16 +313,15 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
                 f.write(json.dumps(c) + "\n")
                 f.flush()  # a crash keeps every reply generated so far
         left = {c["id"] for c in mine if c["id"] not in done}
-        if left:  # only with a time budget: these keep their original replies, so they are not data
+        if left:  # only with a time budget: these keep their original replies
             why = "not regenerated within the time budget (regenerate_minutes)"
             report.skipped[why] = report.skipped.get(why, 0) + len(left)
             print(f"{'only replies already regenerated used' if regenerate_seconds == 0 else 'regeneration stopped at its time budget'}: "
                   f"{len(left)} of {len(range(rank, len(convs), world_size))} conversations left out (a rerun into the same "
                   f"folder with a larger budget regenerates and captures them)")
         convs = [done.get(c["id"], c) if i % world_size == rank else c for i, c in enumerate(convs)]
-        return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank,
-                               leave_out=left), report
-    return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank), report
+    return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank,
+                           leave_out=left), report
 
 
 def _read_regenerated(cache: Path) -> dict:

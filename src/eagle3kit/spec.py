@@ -104,6 +104,11 @@ def calibrate_bounds(reference, prompts: dict, factor: float = 3.0, floor: float
             worst[slot] = max(worst.get(slot, 0.0), e.max().item())
     if own:
         del b16
+    return bounds_from_worst(worst, factor, floor)
+
+
+def bounds_from_worst(worst: dict, factor: float = 3.0, floor: float = 0.03) -> dict:
+    """slot -> bound from slot -> the worst bf16 token seen (``calibrate_bounds``)."""
     return {k: max(floor, factor * v) for k, v in worst.items()}
 
 
@@ -122,6 +127,12 @@ def token_bounds(bounds: dict, errors: dict, factor: float = 5.0, window: int = 
         e = e.float().reshape(1, 1, -1)
         return torch.nn.functional.max_pool1d(e, 2 * window + 1, stride=1, padding=window).reshape(-1) if window else e.reshape(-1)
     return {k: torch.clamp(factor * spread(errors[k]), min=v) if k in errors else v for k, v in bounds.items()}
+
+
+def prompt_bounds(bounds: dict, ids, ref: dict, b16=None) -> dict:
+    """The bounds one prompt is checked against: the slots' own, or with a ``bf16_engine`` raised at this prompt's
+    bf16-fragile tokens (``token_bounds``); ``ref``: the fp32 reference's tensors for ``ids``."""
+    return bounds if b16 is None else token_bounds(bounds, bf16_errors(b16, ids, ref))
 
 
 def check_states(captured: torch.Tensor, ref: torch.Tensor, bound: float) -> dict:
@@ -162,8 +173,7 @@ def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, ra
         ref = refs[key] if refs is not None and key in refs else reference.hidden(ids)
         if refs is not None:
             refs[key] = ref
-        at = bounds if b16 is None else token_bounds(bounds, bf16_errors(b16, ids, ref))
-        for r in check_sample(cap, ids, ref, meta["layer_ids"], at):
+        for r in check_sample(cap, ids, ref, meta["layer_ids"], prompt_bounds(bounds, ids, ref, b16)):
             rows.append({"key": key, "n_tokens": len(ids), **r})
     return rows
 

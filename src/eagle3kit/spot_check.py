@@ -41,8 +41,7 @@ def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibra
     rows = []
     for k, s in samples.items():
         r0 = refs.get(k) or ref.hidden(ids[k])
-        at = spec.token_bounds(bounds, spec.bf16_errors(b16, ids[k], r0))  # raised at this sample's fragile tokens
-        for r in spec.check_sample(s, ids[k], r0, ref.layer_ids, at):
+        for r in spec.check_sample(s, ids[k], r0, ref.layer_ids, spec.prompt_bounds(bounds, ids[k], r0, b16)):
             rows.append({"key": k, **r})
     failed = sorted({r["key"] for r in rows if not r["ok"]})
     return {"checked": len(samples), "failed": failed, "rows": rows, "bounds": bounds}

@@ -276,14 +276,11 @@ def _dp_attention() -> dict | None:
     """SGLang's DP-attention layout of this process (``layers/dp_attention.py``), or None when it is off."""
     try:
         from sglang.srt.layers import dp_attention as dpa
-        from sglang.srt.server_args import get_global_server_args
 
         if not dpa.is_dp_attention_enabled():
             return None
-        args = get_global_server_args()
         return {"tp_rank": dpa.get_attention_tp_rank(), "tp_size": dpa.get_attention_tp_size(),
-                "dp_rank": dpa.get_attention_dp_rank(), "cp_rank": dpa.get_attention_cp_rank(),
-                "two_batch_overlap": bool(getattr(args, "enable_two_batch_overlap", False))}
+                "dp_rank": dpa.get_attention_dp_rank(), "cp_rank": dpa.get_attention_cp_rank()}
     except Exception:  # noqa: BLE001 - an SGLang without these: no DP attention as far as we can tell
         return None
 
@@ -315,29 +312,23 @@ def capture_layout(tp_rank: int, tp_size: int, dp: int | None, dpa: dict | None,
     ``layers/communicator.py``), under plain TP too: refused; ``--ep-size`` alone splits only the experts (an all-reduce
     follows), so layer outputs stay whole and it is allowed."""
     features = features or {}
-    group = dpa["tp_size"] if dpa is not None else tp_size
-    if features.get("a2a", "none") != "none" and group > 1:
-        refused = (f"capture cannot run with --moe-a2a-backend {features['a2a']} on {group} GPUs per group: the outputs "
+    if dpa is None:
+        rank, size, dp_index = tp_rank, tp_size, dp
+    else:  # context-parallel peers (cp_rank > 0) never write
+        rank = dpa["tp_rank"] if dpa.get("cp_rank", 0) == 0 else max(1, dpa["tp_rank"])
+        size, dp_index = dpa["tp_size"], dpa["dp_rank"]
+    refused = None
+    if features.get("a2a", "none") != "none" and size > 1:
+        refused = (f"capture cannot run with --moe-a2a-backend {features['a2a']} on {size} GPUs per group: the outputs "
                    f"of MoE layers are split across them, no rank holds every row. Fix: --moe-a2a-backend none (expert "
                    f"parallelism with --ep-size keeps whole outputs), or --enable-dp-attention with --dp equal to --tp")
-        return (tp_rank, tp_size, dp, refused) if dpa is None else (dpa["tp_rank"], group, dpa["dp_rank"], refused)
-    if dpa is None:
-        if features.get("two_batch_overlap"):
-            return tp_rank, tp_size, dp, ("capture cannot run with --enable-two-batch-overlap: its MoE layers run "
-                                          "without their module hooks. Fix: leave it off for the capture server")
-        return tp_rank, tp_size, dp, None
-    refused = None
-    if features.get("two_batch_overlap"):
-        dpa = {**dpa, "two_batch_overlap": True}
-    if dpa["tp_size"] > 1:
+    elif dpa is not None and size > 1:
         refused = (f"capture under --enable-dp-attention needs one GPU per attention-DP group (dp = tp); this server "
-                   f"has {dpa['tp_size']} per group, whose layer outputs may be split across them. Fix: --dp equal "
-                   f"to --tp")
-    elif dpa.get("two_batch_overlap"):
+                   f"has {size} per group, whose layer outputs may be split across them. Fix: --dp equal to --tp")
+    elif features.get("two_batch_overlap"):
         refused = ("capture cannot run with --enable-two-batch-overlap: its MoE layers run without their module "
                    "hooks. Fix: leave it off for the capture server")
-    rank = dpa["tp_rank"] if dpa.get("cp_rank", 0) == 0 else max(1, dpa["tp_rank"])  # context-parallel peers: no writer
-    return rank, dpa["tp_size"], dpa["dp_rank"], refused
+    return rank, size, dp_index, refused
 
 
 def dp_rank(title: str | None = None) -> int | None:
