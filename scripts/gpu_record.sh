@@ -15,7 +15,7 @@
 #     serve: 05_acceptance online (every drafter and setting served by SGLang) + 06_compare
 #   faults: tests/test_gpu_faults.py (#12: 256 requests in flight up to the context limit, every token checked, the
 #     check's negative controls on them; kill -9 of the server mid-extraction and resume) and the bad-input trial
-#     (eagle3kit trial), figures in the phase's metrics.json
+#     (eagle3kit trial), figures in the phase's metrics.json; E3K_FAULTS_K: pytest -k to run some of the tests
 #   writerbench: benchmarks/writer_throughput.py --kimi, bf16 and fp8 (#13: the writer alone at hidden 7168, 4 slots;
 #     durable GB/s and the Kimi prefill it keeps up with), and benchmarks/disk_write.py on the same disk
 #   trainbench: benchmarks/train_throughput.py on the data phase's data set (eagle3kit's trainer alone on the GPU, and
@@ -65,6 +65,7 @@ drafter_phase() {  # $1 phase, $2 record folder
       for c in original engine fp8 postnorm; do cp "$W/$c/metrics.json" "$rec/data-$c.metrics.json" 2>/dev/null; cp "$W/$c/extraction.json" "$rec/data-$c.extraction.json" 2>/dev/null; done
       cp "$D/manifest.jsonl" "$rec/" 2>/dev/null; gzip -f "$rec/manifest.jsonl" 2>/dev/null
       cp "$D/regenerated.jsonl" "$rec/" 2>/dev/null; gzip -f "$rec/regenerated.jsonl" 2>/dev/null
+      cp "$D/sglang.log" "$rec/" 2>/dev/null; gzip -f "$rec/sglang.log" 2>/dev/null  # regeneration's decode throughput
       df -h /root > "$rec/disk.txt"; du -sh "$W"/* >> "$rec/disk.txt" 2>/dev/null ;;
     train)
       local mins=${E3K_TRAIN_MINUTES:-6} sets
@@ -150,7 +151,8 @@ for what in ${phases//,/ }; do
     faults) rc=0  # the bad-input trial (CPU work, minutes) beside the GPU tests; both merge into the phase's metrics.json
         # (metrics.update_json: a locked read-modify-write, so the two writers do not lose each other's keys)
         python3 -m eagle3kit.cli trial --folder /root/trial --metrics "$rec/metrics.json" > "$rec/trial.log" 2>&1 & trial=$!
-        E3K_TEST_OUT="$rec" $stop python3 -m pytest -m gpu -v -p no:cacheprovider --basetemp "$rec/tmp" tests/test_gpu_faults.py 2>&1 \
+        E3K_TEST_OUT="$rec" $stop python3 -m pytest -m gpu -v -p no:cacheprovider --basetemp "$rec/tmp" \
+          ${E3K_FAULTS_K:+-k "$E3K_FAULTS_K"} tests/test_gpu_faults.py 2>&1 \
         | tee "$rec/pytest.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         wait $trial || rc=1; cp /root/trial/trial.jsonl "$rec/"; rm -rf /root/trial
         rm -rf "$rec/tmp" ;;  # the tests' captures (GBs)

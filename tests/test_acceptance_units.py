@@ -473,13 +473,14 @@ def test_summarize_without_accept_or_plain_speed():
     assert s["speedup"] == 0.0 and s["breakeven_accept_length"] is None
 
 
-def test_experiment_summary_per_backend_and_controls(tmp_path):
-    """Each backend's speedup is against the plain server of the same backend; the controls' figures are against the
+def test_experiment_summary_per_variant_and_controls(tmp_path):
+    """Each variant's speedup (another attention backend here) is against the plain server of the same variant; the controls' figures are against the
     plain default; a failed optional server is counted apart from the required ones."""
     from eagle3kit.acceptance import experiment
 
     plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", controls={"engine": "e"}, sweep_steps=(1, 3),
-                                 trees=(), backends=("flashinfer",), concurrencies=(1,))
+                                 trees=(), variants={"flashinfer": ["--attention-backend", "flashinfer"]},
+                                 concurrencies=(1,))
     names = [s.name for s in experiment.servings(plan, tmp_path)]
     assert names == ["plain", "main", "steps1", "engine", "offbyone", "plain-flashinfer", "main-flashinfer", "proof"]
     srv = {"plain": _measured([100.0]), "main": _measured([150.0], [2.4]), "engine": _measured([90.0], [1.3]),
@@ -492,6 +493,7 @@ def test_experiment_summary_per_backend_and_controls(tmp_path):
     assert m["flashinfer_speedup"] == pytest.approx(2.0) and m["flashinfer_breakeven_accept_length"] == pytest.approx(1.2)
     assert m["breakeven_accept_length"] == pytest.approx(1.6)
     assert m["engine_control_accept_length"] == pytest.approx(1.3) and m["engine_speedup"] == pytest.approx(0.9)
+    assert m["engine_breakeven_accept_length"] == pytest.approx(1.3 / 0.9)
     assert m["negative_control_accept_length"] == pytest.approx(1.1) and m["engine_offline_tau"] == 1.4
     assert m["offline_online_rel_gap"] == pytest.approx(0.1 / 2.4)
     assert m["offline_walk_accept_length"] == 2.2 and m["offline_walk_online_rel_gap"] == pytest.approx(0.2 / 2.4)

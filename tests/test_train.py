@@ -231,3 +231,52 @@ def test_a_post_norm_drafter_stays_flagged_after_a_re_export(small_dataset, tmp_
     for d in (out / "best", again):
         assert json.loads((d / "eagle3kit.json").read_text())["final_pre_norm"] is False
         assert not diagnose(d).ok
+
+
+def test_several_packed_rows_in_one_forward_equal_each_row_alone(small_dataset, tmp_path):
+    """rows_per_batch: packed rows padded and run as one batch give each row the logits it gets alone (attention stays
+    in its row, padding moves no position), the same acceptance counts (padding never counts), and the same rows per
+    optimizer step as grad_accum."""
+    from eagle3kit.drafter import data as D
+    from eagle3kit.drafter.objective import chain_count_tensor, teacher
+    from eagle3kit.drafter.train import setup
+    from eagle3kit.drafter.ttt import draft_steps
+
+    cfg = TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "s"), rows_per_batch=3, **TINY)
+    run = setup(cfg)
+    src, tpb = run.train_src, cfg.tokens_per_batch
+    batches = D.plan([src.length(i) for i in range(len(src))], tpb, 0)[:3]
+    assert len(batches) == 3 and any(sum(min(src.length(i), tpb + 1) - 1 for i in b) < tpb for b in batches)
+    args = (src, batches, run.info.n_states, run.info.hidden_size, tpb)
+    (_, stacked, _), = list(D.loader(*args, workers=0, rows=3))
+    alone = [b for _, b, _ in D.loader(*args, workers=0, rows=1)]
+    assert stacked["input_ids"].shape[0] == 3 * tpb and D.real_rows(stacked) == sum(b["input_ids"].shape[0] for b in alone)
+    run.model.eval()
+    with torch.no_grad():
+        def logits(b, rows):
+            return list(draft_steps(run.model, b["aux"].float(), b["input_ids"], b["doc_ids"], b["position_ids"], 2, rows))
+
+        def counts(b, step_logits):
+            t = teacher(run.head, b["final"].float(), run.vocab_ids, run.t2d_index)
+            return chain_count_tensor(step_logits, t, b["loss_mask"], b["doc_ids"], b["input_ids"], run.vocab_ids,
+                                      run.most_frequent)
+
+        together = logits(stacked, 3)
+        total = torch.zeros_like(counts(alone[0], logits(alone[0], 1)))
+        for r, b in enumerate(alone):
+            own, n = logits(b, 1), b["input_ids"].shape[0]
+            for k in range(2):
+                torch.testing.assert_close(together[k][r * tpb:r * tpb + n], own[k], rtol=1e-4, atol=1e-4)
+            total += counts(b, own)
+        assert torch.equal(counts(stacked, together), total)
+        # the check can fail: the same comparison one row off (a misaligned split) is far outside the tolerance
+        n = alone[1]["input_ids"].shape[0]
+        assert not torch.allclose(together[0][tpb + 1:tpb + n], logits(alone[1], 1)[0][:n - 1], atol=1e-2)
+        with pytest.raises(ValueError, match="equal length"):
+            logits({k: v[:-1] for k, v in stacked.items()}, 3)
+    extra = {"max_steps": 3, "save_every": 3, "eval_every": 3}
+    a, b = tmp_path / "accum", tmp_path / "rows"
+    sa = train(TrainConfig(data=str(small_dataset), out_dir=str(a), grad_accum=2, **{**TINY, **extra}))
+    sb = train(TrainConfig(data=str(small_dataset), out_dir=str(b), rows_per_batch=2, **{**TINY, **extra}))
+    assert sa["train_tokens_seen"] == sb["train_tokens_seen"] > 0
+    assert sb["heldout_loss_pos0"] < sb["initial_heldout_loss_pos0"]

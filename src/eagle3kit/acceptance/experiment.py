@@ -9,7 +9,8 @@ Servers (all started at once, measured one at a time; see ``online.shared_gpu_ar
   <control>                 other drafters (trained on other data) at the serving setting
   offbyone                  the main drafter exported with layer ids off by one (negative control), draft hooks on
   proof                     the main drafter, CUDA graphs off, draft hooks on: load proof and fed layers
-  plain-<b>, main-<b>       plain and main with attention backend <b> (batch 1): does it lower the break-even?
+  plain-<v>, main-<v>       plain and main with variant <v>'s extra server arguments (e.g. another attention
+                            backend), batch 1: does it lower the break-even?
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class OnlinePlan:
     max_new_tokens: int = 256
     rounds: int = 2
     server_args: tuple = ("--attention-backend", "triton", "--sampling-backend", "pytorch")
-    backends: tuple = ()  # other attention backends for plain and main (batch 1), e.g. ("flashinfer",)
+    variants: dict = field(default_factory=dict)  # name -> extra server args for plain and main (batch 1), e.g.
+    # {"flashinfer": ["--attention-backend", "flashinfer"]}
 
 
 def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
@@ -50,9 +52,9 @@ def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
     out += [online.Serving(name, path, s, t, d) for name, path in plan.controls.items()]
     if plan.offbyone:
         out.append(online.Serving("offbyone", str(work / "offbyone"), s, t, d, hooks=draft_hooks(work / "hooks-offbyone")))
-    for b in plan.backends:
-        out += [online.Serving(f"plain-{b}", extra_args=["--attention-backend", b]),
-                online.Serving(f"main-{b}", plan.drafter, s, t, d, extra_args=["--attention-backend", b])]
+    for v, args in plan.variants.items():
+        out += [online.Serving(f"plain-{v}", extra_args=list(args)),
+                online.Serving(f"main-{v}", plan.drafter, s, t, d, extra_args=list(args))]
     if plan.proof:
         out.append(online.Serving("proof", plan.drafter, s, t, d, extra_args=["--disable-cuda-graph"],
                                   hooks=draft_hooks(work / "hooks-proof")))
@@ -104,7 +106,7 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
             conc = by_conc if full else {1: by_conc[1]}
             t1 = time.time()
             m = online.measure_server(srv.url, conc, plan.max_new_tokens, warmup=prompts[:2],
-                                      rounds=plan.rounds if full or _backend_of(name) else 1)
+                                      rounds=plan.rounds if full or _variant_of(name) else 1)
             results["servers"].setdefault(name, {}).update(
                 setting=[s.steps, s.topk, s.draft_tokens] if s.drafter else None, drafter=s.drafter, by_concurrency=m)
             b1 = m[1]
@@ -125,7 +127,7 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
 REQUIRED = ("plain", "main", "proof", "offbyone")  # without them the experiment shows nothing
 
 
-def _backend_of(name: str) -> str | None:
+def _variant_of(name: str) -> str | None:
     return name.split("-", 1)[1] if name.startswith(("plain-", "main-")) else None
 
 
@@ -260,7 +262,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             m["offline_walk_online_rel_gap"] = (abs(m["offline_walk_accept_length"] - m["online_accept_length"])
                                                 / m["online_accept_length"])
     plain1 = srv.get("plain", {}).get("by_concurrency", {}).get(1, {}).get("output_tokens_per_s_median")
-    for b in plan.backends:  # the same comparison within another attention backend (batch 1)
+    for b in plan.variants:  # the same comparison within a variant's servers (batch 1)
         p, q = (srv.get(f"{w}-{b}", {}).get("by_concurrency", {}) for w in ("plain", "main"))
         if 1 in p and 1 in q:
             sm = online.summarize(p, q, 1)
@@ -270,7 +272,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                 m[f"{b}_accept_length"] = sm["accept_length"]
                 m[f"{b}_breakeven_accept_length"] = sm.get("breakeven_accept_length") or 0.0
     for name, r in srv.items():
-        if name in ("plain", "main", "proof") or _backend_of(name) or "by_concurrency" not in r:
+        if name in ("plain", "main", "proof") or _variant_of(name) or "by_concurrency" not in r:
             continue
         a = _accept(results, name)
         key = {"offbyone": "negative_control"}.get(name, name)
@@ -279,6 +281,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         tps = r["by_concurrency"][1]["output_tokens_per_s_median"]
         if plain1:
             m[f"{key}_speedup"] = tps / plain1
+            if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
+                m[f"{key}_breakeven_accept_length"] = a * plain1 / tps
     for name in plan.controls:
         if name in offline and f"offline_tau_{s}" in offline[name]:
             m[f"{name}_offline_tau"] = offline[name][f"offline_tau_{s}"]

@@ -189,46 +189,85 @@ def epoch_plan(lengths: list[int], tokens_per_batch: int, seed: int, epoch: int,
     return batches[:n_batches]
 
 
-def collate(parts: list[dict]) -> dict:
-    docs = [torch.full((p["input_ids"].shape[0],), d, dtype=torch.int64) for d, p in enumerate(parts)]
+def collate(parts: list[dict], first_doc: int = 0) -> dict:
+    docs = [torch.full((p["input_ids"].shape[0],), first_doc + d, dtype=torch.int64) for d, p in enumerate(parts)]
     pos = [torch.arange(1, p["input_ids"].shape[0] + 1, dtype=torch.int64) for p in parts]
     out = {k: torch.cat([p[k] for p in parts]) for k in ("aux", "final", "input_ids", "loss_mask")}
     out.update(doc_ids=torch.cat(docs), position_ids=torch.cat(pos))
     return out
 
 
+def collate_rows(rows: list[list[dict]], row_len: int, n_aux: int, hidden_size: int) -> dict:
+    """Several packed rows as one micro-batch (``ttt.draft_steps(rows=...)``): each row padded to ``row_len``, then
+    concatenated. Doc ids stay unique across rows; padding gets doc id -(r + 1) (its own causal block, so no query
+    is left without a key) and loss mask 0, so no loss or count sees it (``real_rows`` counts the others)."""
+    dtype = next(parts[0]["aux"].dtype for parts in rows if parts)
+    out, first = [], 0
+    for r, parts in enumerate(rows):
+        row = collate(parts, first) if parts else None
+        first += len(parts)
+        pad = row_len - (0 if row is None else row["input_ids"].shape[0])
+        if pad < 0:
+            raise ValueError(f"a packed row of {row_len - pad} tokens is longer than row_len {row_len}")
+        if pad:
+            fill = {"aux": torch.zeros(pad, n_aux, dtype=dtype), "final": torch.zeros(pad, hidden_size, dtype=dtype),
+                    "input_ids": torch.zeros(pad, dtype=torch.int64), "loss_mask": torch.zeros(pad, dtype=torch.int64),
+                    "doc_ids": torch.full((pad,), -(r + 1), dtype=torch.int64),
+                    "position_ids": torch.arange(1, pad + 1, dtype=torch.int64)}
+            row = fill if row is None else {k: torch.cat([row[k], fill[k]]) for k in fill}
+        out.append(row)
+    return {k: torch.cat([o[k] for o in out]) for k in out[0]}
+
+
+def real_rows(batch: dict) -> int:
+    """Rows of a batch that stand for data (not ``collate_rows``' padding)."""
+    return int((batch["doc_ids"] >= 0).sum())
+
+
 class PackedBatches(torch.utils.data.IterableDataset):
-    """Batches ``start..`` of ``batches`` that belong to ``rank`` (j % world == rank), read by the DataLoader's
-    workers in turn (worker w takes this rank's batches w, w + W, ...: the loader returns them in order).
-    Yields (j, batch, skipped) with ``skipped`` the reasons of samples left out of it."""
+    """Packed rows ``start..`` of ``batches`` that belong to ``rank`` (j % world == rank), ``rows`` of them per
+    micro-batch (``collate_rows``; 1: the row as it is), read by the DataLoader's workers in turn (worker w takes this
+    rank's micro-batches w, w + W, ...: the loader returns them in order).
+    Yields (j, batch, skipped): j the micro-batch's first row, ``skipped`` the reasons of samples left out of it."""
 
     def __init__(self, source, batches, n_states: int, hidden_size: int, tokens_per_batch: int, start: int = 0,
-                 rank: int = 0, world: int = 1):
+                 rank: int = 0, world: int = 1, rows: int = 1):
         self.source, self.batches = source, batches
         self.n_states, self.hidden_size, self.budget = n_states, hidden_size, tokens_per_batch
-        self.start, self.rank, self.world = start, rank, world
+        self.start, self.rank, self.world, self.rows = start, rank, world, rows
+
+    def _row(self, j: int, skipped: list) -> list[dict]:
+        parts, used = [], 0
+        for i in self.batches[j]:
+            try:
+                a = align(self.source.load(i), self.n_states, self.hidden_size, self.budget - used)
+            except SampleError as e:
+                skipped.append(f"sample {i}: {e}")
+                continue
+            parts.append(a)
+            used += a["input_ids"].shape[0]
+        return parts
 
     def __iter__(self):
         wi = torch.utils.data.get_worker_info()
         wid, nw = (wi.id, wi.num_workers) if wi else (0, 1)
         mine = [j for j in range(self.start, len(self.batches)) if j % self.world == self.rank]
-        for local, j in enumerate(mine):
+        for local, g in enumerate(range(0, len(mine), self.rows)):
             if local % nw != wid:
                 continue
-            parts, skipped, used = [], [], 0
-            for i in self.batches[j]:
-                try:
-                    a = align(self.source.load(i), self.n_states, self.hidden_size, self.budget - used)
-                except SampleError as e:
-                    skipped.append(f"sample {i}: {e}")
-                    continue
-                parts.append(a)
-                used += a["input_ids"].shape[0]
-            yield j, (collate(parts) if parts else None), skipped
+            skipped = []
+            rows = [self._row(j, skipped) for j in mine[g:g + self.rows]]
+            if not any(rows):
+                batch = None
+            elif self.rows == 1:
+                batch = collate(rows[0])
+            else:
+                batch = collate_rows(rows, self.budget, (self.n_states - 1) * self.hidden_size, self.hidden_size)
+            yield mine[g], batch, skipped
 
 
 def loader(source, batches, n_states, hidden_size, tokens_per_batch, start=0, rank=0, world=1, workers: int = 2,
-           pin: bool = False):
-    ds = PackedBatches(source, batches, n_states, hidden_size, tokens_per_batch, start, rank, world)
+           pin: bool = False, rows: int = 1):
+    ds = PackedBatches(source, batches, n_states, hidden_size, tokens_per_batch, start, rank, world, rows)
     kw = {"num_workers": workers, "prefetch_factor": 2, "persistent_workers": False} if workers > 0 else {}
     return torch.utils.data.DataLoader(ds, batch_size=None, pin_memory=pin, **kw)

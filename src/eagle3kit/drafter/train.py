@@ -11,7 +11,8 @@
   metrics.json          the summary (flat): train_tokens_per_s, train_acc_pos0 (held out), offline_tau, ...
 
 Data parallel: run under ``torchrun --nproc-per-node N`` (nccl on GPUs, gloo on CPUs); rank r takes batches
-j % N == r, so N ranks with ``grad_accum`` a see the same global batches as one rank with ``grad_accum`` N * a.
+j % N == r, so N ranks with ``grad_accum`` a see the same global batches as one rank with ``grad_accum`` N * a
+(an optimizer step takes N * a * ``rows_per_batch`` packed rows).
 """
 from __future__ import annotations
 
@@ -76,7 +77,9 @@ class TrainConfig:
     grad_clip: float = 0.5
     epochs: int = 1
     max_steps: int = 0  # 0: the epochs decide
-    tokens_per_batch: int = 8192  # rows per micro-batch per rank (samples packed; a longer one is cut)
+    tokens_per_batch: int = 8192  # rows per packed row (samples packed; a longer one is cut)
+    rows_per_batch: int = 1  # packed rows per micro-batch, run as one batch (>1: each padded to tokens_per_batch;
+    # one forward for all: the GPU trainer is bound by launching kernels, and attention stays within a row)
     grad_accum: int = 1
     seed: int = 0
     eval_every: int = 0  # optimizer steps; 0: at the end of each epoch
@@ -102,8 +105,9 @@ class TrainConfig:
              f"positions past the TTT depth are never trained on the draft's own states; train at least as deep")
         need(self.lr > 0 and 0 <= self.warmup_ratio < 1 and 0 <= self.min_lr_ratio <= 1, "lr > 0, warmup_ratio in "
              "[0, 1), min_lr_ratio in [0, 1]")
-        need(self.tokens_per_batch >= 16 and self.grad_accum >= 1 and self.epochs >= 1 and self.max_steps >= 0,
-             "tokens_per_batch >= 16, grad_accum >= 1, epochs >= 1, max_steps >= 0")
+        need(self.tokens_per_batch >= 16 and self.grad_accum >= 1 and self.epochs >= 1 and self.max_steps >= 0
+             and self.rows_per_batch >= 1,
+             "tokens_per_batch >= 16, rows_per_batch >= 1, grad_accum >= 1, epochs >= 1, max_steps >= 0")
         need(0 < self.step_decay <= 1, "step_decay in (0, 1]")
         need(self.draft_vocab_size >= 1, "draft_vocab_size >= 1")
         need(not self.fit_schedule or self.max_minutes > 0, "fit_schedule needs max_minutes > 0 (the budget to fit)")
@@ -278,8 +282,9 @@ def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = T
     cfg = run.cfg
     b = _to(batch, run.device)
     t = teacher(run.head, b["final"], run.vocab_ids, run.t2d_index)
+    rows = max(1, b["input_ids"].shape[0] // cfg.tokens_per_batch)  # data.collate_rows: rows of tokens_per_batch
     with _autocast(run.device):
-        step_logits = module(b["aux"], b["input_ids"], b["doc_ids"], b["position_ids"], steps)
+        step_logits = module(b["aux"], b["input_ids"], b["doc_ids"], b["position_ids"], steps, rows)
     losses, total = [], None
     for k, logits in enumerate(step_logits):
         lk, n = step_loss(logits, t, valid_rows(b["loss_mask"], b["doc_ids"], k), k, cfg.loss)
@@ -314,7 +319,7 @@ def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int |
         batches = batches[:max_batches]
     total = torch.zeros(6 * steps + 2, dtype=torch.float64, device=run.device)
     for _, batch, _ in D.loader(source, batches, run.info.n_states, run.info.hidden_size, run.cfg.tokens_per_batch,
-                                rank=run.dist.rank, world=run.dist.world, workers=0):
+                                rank=run.dist.rank, world=run.dist.world, workers=0, rows=run.cfg.rows_per_batch):
         if batch is not None:
             total += forward_batch(run, module, batch, steps, with_loss=False, walk=walk)[1]
     run.model.train(was)
@@ -414,11 +419,11 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "train.json").write_text(json.dumps(_settings(cfg), indent=1, sort_keys=True))
     lengths = [run.train_src.length(i) for i in range(len(run.train_src))]
-    per_step = dist.world * cfg.grad_accum
+    per_step = dist.world * cfg.grad_accum * cfg.rows_per_batch  # packed rows per optimizer step
     steps_per_epoch = len(D.plan(lengths, cfg.tokens_per_batch, cfg.seed, 0)) // per_step
     if steps_per_epoch == 0:
         raise TrainError(f"{len(lengths)} training samples make fewer packed batches than one optimizer step needs "
-                         f"({per_step}): lower tokens_per_batch or grad_accum, or extract more samples")
+                         f"({per_step}): lower tokens_per_batch, rows_per_batch or grad_accum, or extract more samples")
     total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
     params = [p for p in run.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -485,7 +490,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
         batches = D.epoch_plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch, steps_per_epoch * per_step)
         it = iter(D.loader(run.train_src, batches, run.info.n_states, run.info.hidden_size, cfg.tokens_per_batch,
                            start=in_epoch * per_step, rank=dist.rank, world=dist.world, workers=cfg.workers,
-                           pin=run.device.type == "cuda"))
+                           pin=run.device.type == "cuda", rows=cfg.rows_per_batch))
         for _ in range(in_epoch, steps_per_epoch):
             if state["step"] >= total_steps:
                 break
@@ -507,7 +512,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                     loss, c = forward_batch(run, module, batch, cfg.ttt_steps)
                     (loss / cfg.grad_accum).backward()
                 counts += c
-                rows += int(batch["input_ids"].shape[0])
+                rows += D.real_rows(batch)
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             sched.step()

@@ -8,6 +8,11 @@ proposed whenever the chain is still accepted, which is the only case acceptance
 causal within the sample; step k also sees the row's own keys of steps 1..k (the diagonal blocks speculators
 builds), which is what SGLang's draft sees in its KV cache while chaining from one verified position.
 
+A micro-batch may hold several packed rows of equal length (``rows``; ``data.collate_rows`` pads them): they are
+concatenated on the row axis and run as a batch of ``rows`` sequences, so attention stays within a row (its cost grows
+with the row's length, not the micro-batch's) while one forward covers them all (fewer, larger kernels: the trainer
+was bound by launching kernels, not by the GPU's work).
+
 This runs speculators' ``Eagle3DraftModel`` modules (``fc``, ``fc_norm``, ``layers``, ``norm``, ``lm_head``,
 ``rotary_emb``) in the order of its own ``forward``, but returns each step's logits: speculators' forward scores
 against a teacher restricted to the draft vocabulary, which cannot see a target token outside it (it would
@@ -20,13 +25,21 @@ import warnings
 import torch
 from transformers import DynamicCache
 
-from speculators.models.eagle3.attention import extend_dense_mask_for_draft_tokens
-
 
 def causal_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean [1, 1, S, S] mask for SDPA (True: attend): row t sees rows <= t of its own sample."""
-    idx = torch.arange(doc_ids.shape[0], device=doc_ids.device)
-    return ((idx[:, None] >= idx[None, :]) & (doc_ids[:, None] == doc_ids[None, :]))[None, None]
+    """Boolean [B, 1, S, S] mask for SDPA (True: attend) from doc ids [S] (B = 1) or [B, S]: row t sees rows <= t of
+    its own sample."""
+    d = doc_ids if doc_ids.dim() == 2 else doc_ids[None]
+    idx = torch.arange(d.shape[1], device=d.device)
+    return ((idx[:, None] >= idx[None, :]) & (d[:, :, None] == d[:, None, :]))[:, None]
+
+
+def extend_mask_for_step(mask: torch.Tensor, s: int) -> torch.Tensor:
+    """The mask of the next TTT step: ``mask`` [B, 1, S, KV] with S new key columns where query t sees only its own
+    new key (speculators' ``extend_dense_mask_for_draft_tokens``, for B sequences)."""
+    idx = torch.arange(s, device=mask.device)
+    diag = (idx[:, None] == idx[None, :]).expand(mask.shape[0], 1, s, s)
+    return torch.cat([mask, diag.to(mask.dtype)], dim=-1)
 
 
 def shifted(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
@@ -37,22 +50,28 @@ def shifted(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
 
 
 def draft_steps(model, aux: torch.Tensor, input_ids: torch.Tensor, doc_ids: torch.Tensor,
-                position_ids: torch.Tensor, steps: int):
-    """Yield the logits [S, draft_vocab] of each chained step over one packed row of S rows.
+                position_ids: torch.Tensor, steps: int, rows: int = 1):
+    """Yield the logits [N, draft_vocab] of each chained step over ``rows`` packed rows of N / rows tokens each,
+    concatenated (N rows of the data's alignment in all).
 
-    aux [S, n_aux * H], input_ids [S] (x_{t+1} at row t), doc_ids [S], position_ids [S]."""
+    aux [N, n_aux * H], input_ids [N] (x_{t+1} at row t), doc_ids [N], position_ids [N]."""
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
-    s = aux.shape[0]
-    hidden = aux[None].to(model.fc.weight.dtype)
+    n = aux.shape[0]
+    if rows < 1 or n % rows:
+        raise ValueError(f"{n} rows do not split into {rows} packed rows of equal length")
+    s = n // rows
+    hidden = aux.view(rows, s, -1).to(model.fc.weight.dtype)
     if getattr(model, "fc_norm", None) is not None:
         chunks = hidden.chunk(len(model.fc_norm), dim=-1)
         hidden = torch.cat([n(c) for n, c in zip(model.fc_norm, chunks)], dim=-1)
     hidden = model.fc(hidden)
-    mask = causal_doc_mask(doc_ids)
+    mask = causal_doc_mask(doc_ids.view(rows, s))
     cache = DynamicCache()
-    pos = position_ids[None]
+    pos = position_ids.view(rows, s)
     for k in range(steps):
-        ids = shifted(input_ids, k)[None]
+        # x_{t+1+k}; at the end of a packed row this reads the next row's first tokens, which only such rows' own
+        # later steps see (their keys are their own), and their loss never counts (``objective.valid_rows``)
+        ids = shifted(input_ids, k).view(rows, s)
         with torch.no_grad():
             embeds = model.embed_tokens(ids).to(hidden.dtype)
         h = torch.cat([embeds, hidden], dim=-1)
@@ -67,8 +86,8 @@ def draft_steps(model, aux: torch.Tensor, input_ids: torch.Tensor, doc_ids: torc
         else:
             hidden = h
             logits = model.lm_head(model.norm(h))
-        yield logits[0]
-        mask = extend_dense_mask_for_draft_tokens(mask, s)
+        yield logits.reshape(n, -1)
+        mask = extend_mask_for_step(mask, s)
         pos = pos + 1
 
 
@@ -79,5 +98,5 @@ class TTTModule(torch.nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, aux, input_ids, doc_ids, position_ids, steps: int):
-        return list(draft_steps(self.drafter, aux, input_ids, doc_ids, position_ids, steps))
+    def forward(self, aux, input_ids, doc_ids, position_ids, steps: int, rows: int = 1):
+        return list(draft_steps(self.drafter, aux, input_ids, doc_ids, position_ids, steps, rows))
