@@ -9,6 +9,7 @@ import pytest
 
 from eagle3kit.params import ParamsError
 from eagle3kit.runner import plan_run, run
+from tests.conftest import ROOT
 
 
 def notebook(path, params_src, body_src):
@@ -136,3 +137,18 @@ def test_an_interrupted_run_says_so_in_status_json(project, sig):
     assert status["a_square"]["state"].startswith("not run"), status
     assert proc.returncode == 130 and "eagle3kit run: interrupted" in err, err[-2000:]
     assert "eagle3kit/cli.py" not in err  # no traceback of ours (the kernel logs its own KeyboardInterrupt)
+
+
+@pytest.mark.parametrize("params_file", sorted(p.name for p in (ROOT / "params").glob("*.yaml")))
+def test_every_shipped_params_file_fits_the_notebooks(params_file):
+    """Each params/*.yaml resolves against the notebooks it names (a GPU run of gpu-smollm2-drafter.yaml was refused
+    on the machine, after its install, for a key its notebook did not declare)."""
+    plan = plan_run(ROOT / "params" / params_file, ROOT / "notebooks")
+    assert plan.steps
+
+
+def test_a_key_no_notebook_declares_is_refused_in_a_shipped_file(tmp_path):
+    text = (ROOT / "params" / "gpu-smollm2-drafter.yaml").read_text().replace("rows_per_batch:", "rows_per_batchx:")
+    (tmp_path / "p.yaml").write_text(text)
+    with pytest.raises(ParamsError, match="rows_per_batchx"):
+        plan_run(tmp_path / "p.yaml", ROOT / "notebooks")

@@ -79,7 +79,7 @@ class TrainConfig:
     max_steps: int = 0  # 0: the epochs decide
     tokens_per_batch: int = 8192  # rows per packed row (samples packed; a longer one is cut)
     rows_per_batch: int = 1  # packed rows per micro-batch, run as one batch (>1: each padded to tokens_per_batch;
-    # one forward for all: the GPU trainer is bound by launching kernels, and attention stays within a row)
+    # one forward for all, attention stays within a row)
     grad_accum: int = 1
     seed: int = 0
     eval_every: int = 0  # optimizer steps; 0: at the end of each epoch
