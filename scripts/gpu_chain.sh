@@ -17,6 +17,9 @@
 # session): faults (#12: the load test with token bounds) beside the drafter's data, with regeneration inside
 # decode graphs (#10), then train alone for 10 minutes and serve (#11). For the drafter, run data, train, serve as one
 # lane and faults as a second; on a two-GPU machine, familytp and ddp (#14, #10's scale-out) first.
+# To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
+# by its pid; never `pkill -f` a pattern that the stopping command itself contains: the device agent runs that command
+# line, matched itself, and the machine was replaced with SGLang's install lost (2026-12-01).
 set -u
 # Every device call replaces the repository's copy on the machine with the caller's tree, while the chain runs: a phase
 # that opened a notebook at that moment found it missing (2026-12-01, 04_train: "No such file ...01_tp_check.ipynb").

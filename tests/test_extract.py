@@ -299,7 +299,7 @@ def test_a_regeneration_time_budget_captures_a_prefix_and_counts_the_rest(tmp_pa
     from eagle3kit.data.conversations import load_conversations
 
     order = [c["id"] for c in load_conversations("embedded:sharegpt", limit=40)[0]]
-    assert cached == order[:len(cached)]  # conversations start in order: a prefix, so a rerun continues it
+    assert sorted(cached, key=order.index) == order[:len(cached)]  # they start in order: a prefix, written as finished
     full, _ = load_samples("embedded:sharegpt", tokenizer, 40, 2048)
     assert {s.conv_id for s in samples} <= set(cached)  # nothing with the data set's own replies is data
     by_key = {s.key: s.conv_id for s in full}
@@ -310,6 +310,37 @@ def test_a_regeneration_time_budget_captures_a_prefix_and_counts_the_rest(tmp_pa
                                  regenerated_cache=cache, regenerate_seconds=0)  # 0: the cached replies only
     assert len(calls) == n and [s.key for s in again] == [s.key for s in samples]
     assert report.skipped["not regenerated within the time budget (regenerate_minutes)"] == left
+
+
+def test_a_regeneration_that_fails_keeps_every_conversation_finished_before(tmp_path, tokenizer):
+    """Replies are kept as each conversation finishes, not in the data set's order: a long first conversation that
+    ends in an error does not take the others' finished replies with it."""
+    import threading
+    import time
+
+    first = threading.Event()
+
+    def gen(messages, n):
+        if "first" in messages[0]["content"]:
+            first.wait(5)  # until the others are done
+            raise ConnectionError("the server went away")
+        return "reply"
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": "first" if i == 0 else f"q{i}"},
+                                         {"role": "assistant", "content": "a"}]} for i in range(6)]
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    cache = tmp_path / "regen.jsonl"
+
+    def release():
+        while not cache.exists() or len(cache.read_text().splitlines()) < 5:
+            time.sleep(0.01)
+        first.set()
+    threading.Thread(target=release, daemon=True).start()
+    with pytest.raises(ConnectionError):
+        load_samples(str(data), tokenizer, 6, 2048, regenerate_with=gen, regenerate_concurrency=3,
+                     regenerated_cache=cache)
+    kept = sorted(json.loads(x)["id"] for x in cache.read_text().splitlines())
+    assert kept == ["1", "2", "3", "4", "5"]
 
 
 def test_sglang_regeneration_spreads_over_data_parallel_servers(tokenizer):

@@ -78,10 +78,11 @@ class SGLangGenerator:
 
 
 def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: int = 1, deadline: float | None = None):
-    """New conversations whose assistant turns are the target's replies to the preceding turns, yielded in order
-    as each is ready (so that a caller can keep them before the next one is generated).
+    """New conversations whose assistant turns are the target's replies to the preceding turns, yielded as each is
+    finished (so that a caller keeps it at once: a crash loses no finished conversation, where waiting for the order
+    held back every reply behind one long conversation, 0 of 2,754 written after 100 s on 2026-12-01).
     ``deadline`` (a ``time.monotonic()`` value): no conversation starts after it; those started are finished. As
-    conversations start in order, what is yielded is then a prefix of ``conversations``."""
+    conversations start in order, the ones yielded are then a prefix of ``conversations`` (not in that order)."""
     def one(conv):
         if deadline is not None and time.monotonic() >= deadline:
             return None
@@ -98,17 +99,19 @@ def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: 
                 messages.append(m)
         return {**conv, "messages": messages, "regenerated": True, **({"cut_at_context": cut} if cut else {})}
     if concurrency <= 1:
-        results = map(one, conversations)
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(concurrency)  # its threads take the conversations in order (a FIFO queue)
-        results = pool.map(one, conversations)
-    try:
-        for r in results:
+        for conv in conversations:
+            r = one(conv)
             if r is None:  # past the deadline: so is every later one
                 return
             yield r
+        return
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    pool = ThreadPoolExecutor(concurrency)  # its threads take the conversations in order (a FIFO queue)
+    try:
+        for f in as_completed([pool.submit(one, conv) for conv in conversations]):
+            r = f.result()
+            if r is not None:  # None: not started, past the deadline
+                yield r
     finally:
-        if concurrency > 1:
-            pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True)
