@@ -137,10 +137,10 @@ def compute_alone(a, out: Path) -> dict:
     cfg = train_config(a, out)
     run = setup(cfg)
     src = run.train_src
-    batches = D.plan([src.length(i) for i in range(len(src))], cfg.tokens_per_batch, cfg.seed, 0)[:8]
+    batches = D.plan([src.length(i) for i in range(len(src))], cfg.tokens_per_batch, cfg.seed, 0)[:8 * cfg.rows_per_batch]
     loaded = [{k: v.to(run.device) for k, v in b.items()}
               for _, b, _ in D.loader(src, batches, run.info.n_states, run.info.hidden_size, cfg.tokens_per_batch,
-                                      workers=0) if b is not None]
+                                      workers=0, rows=cfg.rows_per_batch) if b is not None]
     params = [p for p in run.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     module = TTTModule(run.model)
@@ -155,7 +155,7 @@ def compute_alone(a, out: Path) -> dict:
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(run.device)
-        return int(b["input_ids"].shape[0])
+        return D.real_rows(b)
 
     tokens, seconds = [], []
     for i in range(a.steps):
@@ -180,11 +180,11 @@ def loader_alone(a) -> dict:
     src = D.CaptureSource(cfg.data, "train")
     info = src.info()
     batches = D.plan([src.length(i) for i in range(len(src))], cfg.tokens_per_batch, cfg.seed, 0)
-    batches = batches[: max(a.steps * cfg.grad_accum, 8)]
+    batches = batches[: max(a.steps * cfg.grad_accum * cfg.rows_per_batch, 8)]
     t0, rows = time.perf_counter(), 0
     for _, b, _ in D.loader(src, batches, info.n_states, info.hidden_size, cfg.tokens_per_batch, workers=cfg.workers,
-                            pin=a.device.startswith("cuda")):
-        rows += 0 if b is None else int(b["input_ids"].shape[0])
+                            pin=a.device.startswith("cuda"), rows=cfg.rows_per_batch):
+        rows += 0 if b is None else D.real_rows(b)
     dt = time.perf_counter() - t0
     return {"tokens_per_s": rows / dt, "tokens": rows, "seconds": dt, "batches": len(batches), "workers": cfg.workers}
 
