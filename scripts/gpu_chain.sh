@@ -13,10 +13,12 @@
 # its KV pool after: "Loaded weights leave no GPU memory for the KV cache", seen 2026-12-01), hence the delays and the
 # family's 0.5. seconds: the limit of each long command in the group; a command cut by it still leaves what it wrote
 # to its phase's archive. Two chains may run side by side as lanes, each cleaning up only its own phases' servers
-# (log to /root/chain-<lane>.log). The default is what the open issues' records still lack after 2026-12-01 (tenth
-# session): faults (#12: the load test with token bounds) beside the drafter's data, with regeneration inside
-# decode graphs (#10), then train alone for 10 minutes and serve (#11). For the drafter, run data, train, serve as one
-# lane and faults as a second; on a two-GPU machine, familytp and ddp (#14, #10's scale-out) first.
+# (log to /root/chain-<lane>.log). The default is what the open issues' records still lack after 2026-12-01 (eleventh
+# session), for one GPU and a 30-minute budget less the install: the drafter's data alone (regeneration binds it; set
+# E3K_DATA_SETS="--set 03_extract.regenerate_minutes=4 --set 03_extract.final_normed=false", E3K_MAX_SAMPLES=8500,
+# E3K_DATA_CONTROLS="" E3K_CONTROLS=""), the hook-exception fault test beside the training (E3K_FAULTS_K=exception;
+# the load test passed in gpu-faults-3), the training with E3K_TRAIN_MINUTES=7, then serve with its variants (#11).
+# On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first.
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
 # by its pid; never `pkill -f` a pattern that the stopping command itself contains: the device agent runs that command
 # line, matched itself, and the machine was replaced with SGLang's install lost (2026-12-01).
@@ -37,7 +39,7 @@ kill_servers_of() {  # only this phase's SGLang processes: another chain (a seco
     tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$1" && kill -9 "$p" 2>/dev/null
   done
 }
-CHAIN=${E3K_CHAIN:-"data+faults@60:720 train:780 serve:480"}
+CHAIN=${E3K_CHAIN:-"data:480 train+faults@30:540 serve:420"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   group=${item%%:*} limit=${item#*:}
