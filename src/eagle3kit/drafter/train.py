@@ -401,6 +401,8 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     from eagle3kit.drafter.model import trainable_state
     from eagle3kit.drafter.ttt import TTTModule
 
+    t_call = time.time()
+    spent = {"eval": 0.0, "export": 0.0, "save": 0.0}  # where this invocation's time went besides the steps
     cfg.validate()
     dist = dist or Dist.from_env()
     out = Path(cfg.out_dir)
@@ -457,9 +459,11 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     def save():
         if dist.rank != 0:
             return
+        t0 = time.time()
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         _atomic_save({"model": trainable_state(run.model), "optimizer": opt.state_dict(),
                       "scheduler": sched.state_dict(), "rng": _rng_state(), "state": state}, ckpt)
+        spent["save"] += time.time() - t0
 
     def log(name, row):
         if dist.rank == 0:
@@ -467,17 +471,22 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 f.write(json.dumps(row) + "\n")
 
     def do_eval():
+        t0 = time.time()
         counts = evaluate(run, eval_steps)
+        spent["eval"] += time.time() - t0
         m = counts.metrics("heldout_")
         row = {"step": state["step"], "tokens": state["tokens"], **m}
         log("evals.jsonl", row)
         tau = m.get(f"heldout_tau_{cfg.serving_steps}", 0.0) if counts.valid[0] else -state["step"]
         if tau > state["best_tau"] and dist.rank == 0:
             state["best_tau"], state["best"] = tau, row
+            t0 = time.time()
             export(run, out / "best", extra={"step": state["step"], "heldout": m})
+            spent["export"] += time.time() - t0
         return m
 
     eval_seconds = 0.0
+    setup_seconds = time.time() - t_call
     if state["step"] == 0 and not ckpt.exists():
         t0 = time.time()
         state["initial"] = do_eval()  # the untrained drafter: what "held-out loss fell" is measured against
@@ -560,8 +569,13 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     if bar is not None:
         bar.close()
     if dist.rank == 0:
+        t0 = time.time()
         export(run, out / "final", extra={"step": state["step"]})
+        spent["export"] += time.time() - t0
     summary = _summary(run, state, lengths)
+    # this invocation's wall time, and what took it besides the optimizer steps (train_seconds, all invocations)
+    summary.update(train_wall_seconds=time.time() - t_call, train_setup_seconds=setup_seconds,
+                   **{f"train_{k}_seconds": v for k, v in spent.items()})
     if dist.rank == 0:
         (out / "metrics.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     return summary
