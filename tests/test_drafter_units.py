@@ -470,3 +470,18 @@ def test_the_serving_walk_counts_what_sglang_accepts_not_the_position_average():
     assert every[2, 0] / every[2, 1] > 3.9 and every[0, 0] / every[0, 1] > 1.95
     none = serving_walk(logits_for(torch.zeros(S, dtype=torch.bool)), t, mask, doc, ids)
     assert (none[:, 0] == none[:, 1]).all()
+
+
+def test_collate_rows_pads_each_row_with_rows_no_loss_or_count_sees_and_refuses_a_longer_row():
+    from eagle3kit.drafter import data as D
+
+    def part(n, tok):
+        return {"aux": torch.ones(n, 4, dtype=torch.bfloat16), "final": torch.ones(n, 2, dtype=torch.bfloat16),
+                "input_ids": torch.full((n,), tok), "loss_mask": torch.ones(n, dtype=torch.int64)}
+    b = D.collate_rows([[part(3, 7), part(2, 8)], [], [part(6, 9)]], 6, 4, 2)
+    assert b["input_ids"].shape == (18,) and b["aux"].shape == (18, 4) and b["aux"].dtype == torch.bfloat16
+    assert b["doc_ids"].tolist() == [0, 0, 0, 1, 1, -1] + [-2] * 6 + [2] * 6  # unique across rows, padding negative
+    assert b["position_ids"][:6].tolist() == [1, 2, 3, 1, 2, 1]
+    assert b["loss_mask"].tolist() == [1] * 5 + [0] * 7 + [1] * 6 and D.real_rows(b) == 11
+    with pytest.raises(ValueError, match="longer than row_len 5"):
+        D.collate_rows([[part(6, 9)]], 5, 4, 2)

@@ -282,7 +282,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if plain1:
             m[f"{key}_speedup"] = tps / plain1
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
-                m[f"{key}_breakeven_accept_length"] = a * plain1 / tps
+                m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
     for name in plan.controls:
         if name in offline and f"offline_tau_{s}" in offline[name]:
             m[f"{name}_offline_tau"] = offline[name][f"offline_tau_{s}"]

@@ -172,8 +172,14 @@ def summarize(plain: dict, spec: dict, conc: int) -> dict:
     accept = statistics.fmean(acc) if acc else None
     out = {"speedup": s / p if p else 0.0, "accept_length": accept, "plain_tokens_per_s": p, "spec_tokens_per_s": s}
     if accept:
-        out["breakeven_accept_length"] = accept / out["speedup"] if out["speedup"] else None
+        out["breakeven_accept_length"] = breakeven(accept, out["speedup"])
     return out
+
+
+def breakeven(accept: float, speedup: float) -> float | None:
+    """The accept length at which this setting's verify cycle would match plain decoding (speedup 1): accept length
+    over speedup (one cycle costs that many plain steps)."""
+    return accept / speedup if speedup else None
 
 
 def heldout_prompts(data_dir, tokenizer, n: int, max_prompt_tokens: int = 1024) -> list[list[int]]:

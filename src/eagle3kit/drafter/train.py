@@ -402,7 +402,9 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     from eagle3kit.drafter.ttt import TTTModule
 
     t_call = time.time()
-    spent = {"eval": 0.0, "export": 0.0, "save": 0.0}  # where this invocation's time went besides the steps
+    # where this invocation's time went besides the steps: evaluations (with the best checkpoint's export), the final
+    # export, checkpoints
+    spent = {"eval": 0.0, "export": 0.0, "save": 0.0}
     cfg.validate()
     dist = dist or Dist.from_env()
     out = Path(cfg.out_dir)
@@ -473,24 +475,20 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     def do_eval():
         t0 = time.time()
         counts = evaluate(run, eval_steps)
-        spent["eval"] += time.time() - t0
         m = counts.metrics("heldout_")
         row = {"step": state["step"], "tokens": state["tokens"], **m}
         log("evals.jsonl", row)
         tau = m.get(f"heldout_tau_{cfg.serving_steps}", 0.0) if counts.valid[0] else -state["step"]
         if tau > state["best_tau"] and dist.rank == 0:
             state["best_tau"], state["best"] = tau, row
-            t0 = time.time()
             export(run, out / "best", extra={"step": state["step"], "heldout": m})
-            spent["export"] += time.time() - t0
+        spent["eval"] += time.time() - t0
         return m
 
-    eval_seconds = 0.0
     setup_seconds = time.time() - t_call
     if state["step"] == 0 and not ckpt.exists():
-        t0 = time.time()
         state["initial"] = do_eval()  # the untrained drafter: what "held-out loss fell" is measured against
-        eval_seconds = time.time() - t0
+    eval_seconds = spent["eval"]  # the first evaluation, if this invocation made one: fit_schedule's cost per eval
     run.model.train()
     t_start = time.time()
     fit_at = state["step"] + FIT_AFTER if cfg.fit_schedule and not state.get("fitted") else None
