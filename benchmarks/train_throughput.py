@@ -23,8 +23,12 @@ reported (``train_error`` / ``speculators_error``), never hangs the run. On ``--
 its process (settings: cpu_patches): speculators' Trainer moves model and batches to ``get_local_rank()`` (an int,
 i.e. cuda:N), set to "cpu", and its step timer calls torch.accelerator.synchronize(), made a no-op.
 
+A/B: ``--ab k=v`` runs A and A' a second time in each round with those settings over ``--set`` (eagle3kit-ab,
+compute-ab), e.g. ``--ab attention=sdpa``: the dense TTT attention against the block-sparse flex default on a GPU.
+
 usage: python benchmarks/train_throughput.py --data DATASET_DIR --out OUT_DIR [--steps 30] [--rounds 2]
-           [--tokens-per-batch 4096] [--device cuda|cpu] [--workers 3] [--set k=v ...]
+           [--tokens-per-batch 4096] [--device cuda|cpu] [--workers 3] [--set k=v ...] [--ab k=v ...]
+           [--passes eagle3kit,compute,speculators]
 """
 from __future__ import annotations
 
@@ -64,6 +68,11 @@ def parse(argv=None):
     p.add_argument("--spec-loss", default="auto", help="B's loss implementation: auto (GPU fused, and eager if fused "
                    "fails; CPU eager), fused, eager")
     p.add_argument("--set", action="append", default=[], metavar="k=v", help="TrainConfig field (JSON value)")
+    p.add_argument("--ab", action="append", default=[], metavar="k=v", help="a second configuration of eagle3kit's "
+                   "passes (these TrainConfig fields over --set), run in the same rounds, interleaved: "
+                   "eagle3kit-ab, compute-ab (e.g. --ab attention=sdpa against the default flex on a GPU)")
+    p.add_argument("--passes", default="eagle3kit,compute,speculators", help="which passes run (comma-separated): "
+                   "eagle3kit (A), compute (A'), speculators (B)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -74,11 +83,11 @@ def parse(argv=None):
     return a
 
 
-def train_config(a, out_dir):
+def train_config(a, out_dir, ab: bool = False):
     from eagle3kit.drafter.train import TrainConfig
 
     sets = {}
-    for kv in a.set:
+    for kv in a.set + (a.ab if ab else []):
         k, _, v = kv.partition("=")
         try:
             sets[k] = json.loads(v)
@@ -98,17 +107,17 @@ def figure(tokens: list[int], seconds: list[float], warmup: int) -> dict:
             "fastest_step_tokens_per_s": max(n / t for n, t in zip(tokens[w:], seconds[w:]))}  # input never waited
 
 
-def pass_a(a, out: Path) -> dict:
+def pass_a(a, out: Path, ab: bool = False) -> dict:
     """eagle3kit's train(); per-step time and data wait from train_log.jsonl, rows from the packing plan."""
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter.train import train
 
-    cfg = train_config(a, out)
+    cfg = train_config(a, out, ab)
     summary = train(cfg)
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     src = D.CaptureSource(cfg.data, "train")
     lengths = [src.length(i) for i in range(len(src))]
-    ga, tpb = cfg.grad_accum, cfg.tokens_per_batch
+    ga, tpb = cfg.grad_accum * cfg.rows_per_batch, cfg.tokens_per_batch  # packed rows per step
     per_epoch = len(D.plan(lengths, tpb, cfg.seed, 0)) // ga  # as train(): batch j of epoch e, ga per step
     rows = []
     for s in range(len(log)):
@@ -125,7 +134,7 @@ def pass_a(a, out: Path) -> dict:
     return {**res, "train_py_tokens_per_s": summary["train_tokens_per_s"], "data_wait_fraction": wait}
 
 
-def compute_alone(a, out: Path) -> dict:
+def compute_alone(a, out: Path, ab: bool = False) -> dict:
     """A': eagle3kit's optimizer step (forward_batch, backward, clipping, AdamW) on batches loaded once."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -134,7 +143,7 @@ def compute_alone(a, out: Path) -> dict:
     from eagle3kit.drafter.train import forward_batch, setup
     from eagle3kit.drafter.ttt import TTTModule
 
-    cfg = train_config(a, out)
+    cfg = train_config(a, out, ab)
     run = setup(cfg)
     src = run.train_src
     batches = D.plan([src.length(i) for i in range(len(src))], cfg.tokens_per_batch, cfg.seed, 0)[:8 * cfg.rows_per_batch]
@@ -166,7 +175,7 @@ def compute_alone(a, out: Path) -> dict:
         for i in range(3):
             step(loaded[i % len(loaded)])
     ka = prof.key_averages()
-    table = Path(a.out) / "logs" / f"compute-r{a.round}-profile.txt"
+    table = Path(a.out) / "logs" / f"{a.child}-r{a.round}-profile.txt"
     table.write_text(("by device time\n" + ka.table(sort_by="self_cuda_time_total", row_limit=25) + "\n" if cuda else "")
                      + "by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
     return {**figure(tokens, seconds, a.warmup), "batches_on_device": len(loaded), "profile": table.name}
@@ -257,6 +266,21 @@ def pass_b(a, out: Path, data: Path) -> dict:
             "epochs": epoch, "batches_per_epoch": len(loader)}
 
 
+def speculators_export(a, spec_data: Path, say):
+    """B's data: ``eagle3kit export speculators`` of the data set; seconds it took, or None (the reason said)."""
+    t = time.time()
+    try:  # the CLI, in its own process: Arrow's thread pools can abort at exit (tests/conftest.py)
+        why = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "export", "speculators", str(a.data),
+                              str(spec_data)], capture_output=True, text=True, timeout=a.timeout_s).stderr
+    except subprocess.TimeoutExpired:
+        why = f"timed out after {a.timeout_s} s"
+    if (spec_data / "dataset_info.json").exists():
+        say(f"speculators export: {spec_data} in {round(time.time() - t, 1)} s")
+        return round(time.time() - t, 1)
+    say(f"speculators export failed: {why.strip()[-1500:]}")
+    return None
+
+
 def child(a) -> None:
     import faulthandler
 
@@ -264,8 +288,9 @@ def child(a) -> None:
     out = Path(a.out)
     res = out / f"{a.child}-r{a.round}.json"
     try:
-        r = pass_a(a, out / f"eagle3kit-r{a.round}") if a.child == "eagle3kit" else \
-            compute_alone(a, out / f"compute-r{a.round}") if a.child == "compute" else \
+        ab = a.child.endswith("-ab")
+        r = pass_a(a, out / f"{a.child}-r{a.round}", ab) if a.child.startswith("eagle3kit") else \
+            compute_alone(a, out / f"{a.child}-r{a.round}", ab) if a.child.startswith("compute") else \
             pass_b(a, out / f"speculators-r{a.round}", out / "speculators_data")
     except Exception as e:  # noqa: BLE001 - reported by the parent
         traceback.print_exc()
@@ -330,30 +355,30 @@ def main(argv=None) -> int:
         lines.append(s)
 
     cfg = train_config(a, out / "eagle3kit-r1")  # refuses bad --set values before anything runs
+    if a.ab:
+        train_config(a, out / "eagle3kit-ab-r1", ab=True)
+    passes = set(a.passes.split(","))
+    if not passes or passes - {"eagle3kit", "compute", "speculators"}:
+        raise SystemExit(f"--passes {a.passes}: choose among eagle3kit, compute, speculators")
     say(f"train throughput: data {a.data}, device {a.device}, {a.steps} steps x {a.rounds} rounds, "
         f"tokens_per_batch {a.tokens_per_batch}, ttt_steps {cfg.ttt_steps}, draft vocab {cfg.draft_vocab_size}, "
         f"workers {a.workers}, first {a.warmup} steps left out")
     ld = loader_alone(a)
     say(f"eagle3kit's loader alone: {ld['tokens_per_s']:,.0f} tok/s ({ld['batches']} batches, {ld['workers']} workers, "
         f"{ld['seconds']:.1f} s, worker start included)")
-    spec_data, spec_export = out / "speculators_data", None
+    spec_data = out / "speculators_data"
     shutil.rmtree(spec_data, ignore_errors=True)
-    t = time.time()
-    try:  # the CLI, in its own process: Arrow's thread pools can abort at exit (tests/conftest.py)
-        why = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "export", "speculators", str(a.data),
-                              str(spec_data)], capture_output=True, text=True, timeout=a.timeout_s).stderr
-    except subprocess.TimeoutExpired:
-        why = f"timed out after {a.timeout_s} s"
-    if (spec_data / "dataset_info.json").exists():
-        spec_export = round(time.time() - t, 1)
-        say(f"speculators export: {spec_data} in {spec_export} s")
-    else:
-        say(f"speculators export failed: {why.strip()[-1500:]}")
+    spec_export = speculators_export(a, spec_data, say) if "speculators" in passes else None
     res, spec_argv, fused_error = {"eagle3kit": [], "compute": [], "speculators": []}, [], None
+    if a.ab:
+        res.update({"eagle3kit-ab": [], "compute-ab": []})
     for rnd in range(1, a.rounds + 1):
-        res["eagle3kit"].append(run_pass(a, argv, "eagle3kit", rnd, say))
-        res["compute"].append(run_pass(a, argv, "compute", rnd, say))
-        if spec_export is None:
+        for name in [n for n in res if n != "speculators"]:
+            left_out = name.replace("-ab", "") not in passes
+            res[name].append({"error": "left out (--passes)"} if left_out else run_pass(a, argv, name, rnd, say))
+        if "speculators" not in passes:
+            res["speculators"].append({"error": "left out (--passes)"})
+        elif spec_export is None:
             res["speculators"].append({"error": "the speculators export failed"})
             continue
         r = run_pass(a, argv + spec_argv, "speculators", rnd, say)
@@ -370,7 +395,8 @@ def main(argv=None) -> int:
     say()
     say(f"{'pass':<12} " + " ".join(f"{f'round {i}':>12}" for i in range(1, a.rounds + 1))
         + f" {'median':>12} {'spread':>8}   tokens/s")
-    for name, s in (("eagle3kit", e3k), ("compute", comp), ("speculators", spec)):
+    ab = {n: stats(res[n]) for n in ("eagle3kit-ab", "compute-ab") if n in res}
+    for name, s in (("eagle3kit", e3k), ("compute", comp), *ab.items(), ("speculators", spec)):
         cells = [f"{r['tokens_per_s']:>12,.0f}" if "error" not in r else f"{'error':>12}" for r in res[name]]
         say(f"{name:<12} " + " ".join(cells) + (f" {s['median']:>12,.0f} {s['spread_pct']:>7.1f}%"
                                                  if s["median"] else f" {'-':>12} {'-':>8}"))
@@ -378,8 +404,14 @@ def main(argv=None) -> int:
     if comp["median"] and e3k["median"]:
         say(f"eagle3kit's step alone (batches on the device): {comp['median']:,.0f} tok/s; the full trainer reaches "
             f"{e3k['median'] / comp['median']:.0%} of it (profile: logs/compute-r1-profile.txt)")
-    errors = [r["error"] for r in res["speculators"] if "error" in r]
-    train_errors = [r["error"] for r in res["eagle3kit"] if "error" in r]
+    if ab:
+        for n in ab:
+            base = (e3k if n.startswith("eagle3kit") else comp)["median"]
+            if base and ab[n]["median"]:
+                say(f"{n.replace('-ab', '')} with {' '.join(a.set) or 'the recipe'} / with {' '.join(a.ab)} "
+                    f"(medians): {base / ab[n]['median']:.2f}")
+    errors = [r["error"] for r in res["speculators"] if "error" in r and "speculators" in passes]
+    train_errors = [r["error"] for r in res["eagle3kit"] if "error" in r and "eagle3kit" in passes]
     metrics = {"train_tokens_per_s_alone": e3k["median"], "train_tokens_per_s_rounds": e3k["rounds"],
                "train_tokens_per_s_spread_pct": e3k.get("spread_pct"),
                "speculators_tokens_per_s": spec["median"], "speculators_tokens_per_s_rounds": spec["rounds"],
@@ -387,6 +419,12 @@ def main(argv=None) -> int:
                "train_vs_speculators_ratio": ratio, "rounds": a.rounds, "loader_tokens_per_s": ld["tokens_per_s"],
                "train_step_alone_tokens_per_s": comp["median"], "train_step_alone_tokens_per_s_rounds": comp["rounds"],
                "compute_rounds_detail": res["compute"],
+               **({"ab_settings": a.ab, "train_tokens_per_s_ab": ab["eagle3kit-ab"]["median"],
+                   "train_tokens_per_s_ab_rounds": ab["eagle3kit-ab"]["rounds"],
+                   "train_step_alone_tokens_per_s_ab": ab["compute-ab"]["median"],
+                   "train_step_alone_tokens_per_s_ab_rounds": ab["compute-ab"]["rounds"],
+                   "eagle3kit_ab_rounds_detail": res["eagle3kit-ab"], "compute_ab_rounds_detail": res["compute-ab"]}
+                  if ab else {}),
                "eagle3kit_rounds_detail": res["eagle3kit"], "speculators_rounds_detail": res["speculators"],
                "settings": {"data": str(a.data), "device": a.device, "steps": a.steps, "warmup_steps": a.warmup,
                             "tokens_per_batch": a.tokens_per_batch, "workers": a.workers,
@@ -401,7 +439,7 @@ def main(argv=None) -> int:
         metrics["train_error"] = train_errors[0]
     (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     (out / "bench.log").write_text("\n".join(lines) + "\n")
-    return 0 if e3k["median"] else 1
+    return 0 if e3k["median"] or (comp["median"] and "eagle3kit" not in passes) else 1
 
 
 if __name__ == "__main__":

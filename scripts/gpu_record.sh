@@ -19,7 +19,9 @@
 #   writerbench: benchmarks/writer_throughput.py --kimi, bf16 and fp8 (#13: the writer alone at hidden 7168, 4 slots;
 #     durable GB/s and the Kimi prefill it keeps up with), and benchmarks/disk_write.py on the same disk
 #   trainbench: benchmarks/train_throughput.py on the data phase's data set (eagle3kit's trainer alone on the GPU, and
-#     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free)
+#     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free);
+#     E3K_BENCH_ARGS: more of its arguments (e.g. "--passes compute --ab attention=sdpa")
+#   tests: the GPU tests (pytest -m gpu), E3K_TESTS_K: pytest -k to run some of them
 #   E3K_TRAIN_MINUTES: the trainings' wall-clock budget (default 6); E3K_MAX_SAMPLES (2000); E3K_DATA_CONTROLS and
 #   E3K_CONTROLS: which controls' data to make and which to train (default all; empty: none); E3K_DATA_SETS,
 #   E3K_TRAIN_SETS, E3K_SERVE_SETS: more --set for 03, 04 (main run) and 05
@@ -147,7 +149,8 @@ for what in ${phases//,/ }; do
         # the early-writeback lever, on and off in turn (its own metrics.json: the flag changes every figure above)
         python3 benchmarks/writeback_ab.py --out "$rec/writeback" --rounds ${E3K_WB_ROUNDS:-4} --kimi \
           --forwards ${E3K_WB_FORWARDS:-40} --storage bf16 --dir /root/wb 2>&1 | tee "$rec/writeback.log" ;;
-    tests) python3 -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
+    tests) E3K_TEST_OUT="$rec" $stop python3 -m pytest -m gpu -v -p no:cacheprovider ${E3K_TESTS_K:+-k "$E3K_TESTS_K"} tests 2>&1 \
+        | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     faults) rc=0  # the bad-input trial (CPU work, minutes) beside the GPU tests; both merge into the phase's metrics.json
         # (metrics.update_json: a locked read-modify-write, so the two writers do not lose each other's keys)
         # both under the phase's limit: the trial outlived it once and held the chain's next group (2026-12-01)
@@ -161,7 +164,8 @@ for what in ${phases//,/ }; do
         | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     data|train|serve) drafter_phase "$what" "$rec"; rc=$? ;;
     trainbench) $stop python3 benchmarks/train_throughput.py --data /root/work/run/03_extract/data --out "$rec" --device cuda \
-        --steps ${E3K_BENCH_STEPS:-40} --rounds ${E3K_BENCH_ROUNDS:-2} --timeout-s 150 --workers ${E3K_BENCH_WORKERS:-6} 2>&1 | tee "$rec/bench-stdout.log"; rc=${PIPESTATUS[0]}
+        --steps ${E3K_BENCH_STEPS:-40} --rounds ${E3K_BENCH_ROUNDS:-2} --timeout-s 150 --workers ${E3K_BENCH_WORKERS:-6} ${E3K_BENCH_ARGS:-} \
+        2>&1 | tee "$rec/bench-stdout.log"; rc=${PIPESTATUS[0]}
         rm -rf "$rec/speculators_data" ;;  # its copy of the hidden states (GBs): the disk is shared with the next phases
     writerbench) rc=0  # #13: the writer alone at Kimi-K2.5's geometry (GPU states, fp8 encoded in the hook), and the disk
         for s in bf16 fp8; do

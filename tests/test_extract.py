@@ -371,6 +371,64 @@ def test_sglang_regeneration_spreads_over_data_parallel_servers(tokenizer):
         SGLangGenerator([], tokenizer)
 
 
+def test_regeneration_helpers_join_as_they_become_healthy_and_a_failed_one_is_left_out(tokenizer):
+    """HelperServers: helpers start one after the other (never together), each joins the generator's servers when
+    healthy (requests then reach it: stand-in endpoints answering like SGLang), one that fails to start is reported
+    and left out, and stop() stops every started one."""
+    from test_client import endpoint
+
+    from eagle3kit.data.regenerate import HelperServers, SGLangGenerator, regenerate
+
+    seen, events = [], []
+
+    def respond(port, method, path, body):
+        seen.append(port)
+        return 200, {"text": "ok"}
+
+    endpoints = [endpoint(respond) for _ in range(3)]  # the capture server, helper 0, helper 2
+    url = [f"http://127.0.0.1:{e.server_port}" for e in endpoints]
+
+    class Stand:  # a helper server's life cycle
+        def __init__(self, i):
+            self.i, self.url = i, url[min(i + 1, 2)]
+
+        def start(self):
+            assert not events or events[-1][0] in ("healthy", "failed")  # the previous one is up (or gone) first
+            events.append(("start", self.i))
+            return self
+
+        def wait_healthy(self):
+            if self.i == 1:
+                events.append(("failed", self.i))
+                raise RuntimeError("SGLang exited with code 1 while starting")
+            events.append(("healthy", self.i))
+            return 0.0
+
+        def stop(self):
+            events.append(("stop", self.i))
+
+    try:
+        gen = SGLangGenerator([url[0]], tokenizer)
+        helpers = HelperServers(3, Stand, gen.add_url, log=lambda s: None).start()
+        helpers._thread.join(5)
+        assert helpers.healthy == [url[1], url[2]] and gen.urls == url
+        assert len(helpers.failed) == 1 and "helper 1" in helpers.failed[0] and "exited" in helpers.failed[0]
+        convs = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+                 for i in range(6)]
+        assert len(list(regenerate(convs, gen, 4, concurrency=3))) == 6
+        assert sorted(seen) == sorted([e.server_port for e in endpoints] * 2)  # the helpers answered their share
+        helpers.stop()
+        assert {e for e in events if e[0] == "stop"} == {("stop", 0), ("stop", 1), ("stop", 2)}
+    finally:
+        for srv in endpoints:
+            srv.shutdown()
+    idle = HelperServers(2, Stand, lambda u: None, log=lambda s: None)  # stopped before it started: none starts
+    idle.stop()
+    idle.start()
+    idle._thread.join(5)
+    assert idle.servers == [] and idle.healthy == []
+
+
 def test_shards_partition_the_data(tokenizer):
     from eagle3kit.data.conversations import load_conversations
     from eagle3kit.extract import prepare_samples

@@ -47,3 +47,54 @@ def test_trained_drafter_served_by_sglang(tmp_path, target_path):
     assert o["doctor_verified"] and not o["doctor_ok"], o
     assert o["fed_layer_ids"] != p["fed_layer_ids"]
     assert m["online_accept_length"] >= 1.0 and m["plain_tokens_per_s"] > 0
+
+
+def test_flex_attention_trains_as_the_dense_attention(tmp_path, target_path):
+    """The GPU default (block-sparse flex attention, compiled) gives the dense SDPA path's loss, gradients and logits
+    on real packed batches (bf16 autocast), and the comparison can fail (the samples of a row merged into one)."""
+    import torch
+
+    from eagle3kit.drafter import data as D
+    from eagle3kit.drafter import flex
+    from eagle3kit.drafter.train import TrainConfig, forward_batch, setup
+    from eagle3kit.drafter.ttt import TTTModule
+    from eagle3kit.pipeline import run_extraction
+
+    data = tmp_path / "data"
+    run_extraction(target=str(target_path), out_dir=data, engine="transformers", max_samples=24, max_tokens=512,
+                   heldout_percent=0, reference_device="cuda", reference_dtype="bfloat16", progress=False)
+    run = setup(TrainConfig(data=str(data), out_dir=str(tmp_path / "t"), draft_vocab_size=4096, ttt_steps=5,
+                            tokens_per_batch=2048, workers=0, progress=False, device="cuda"))
+    assert flex.uses_flex(run.model) and run.extra["attention"] == "flex"  # the GPU default, its probe passed
+    src, tl = run.train_src, run.model.config.transformer_layer_config
+    batches = D.plan([src.length(i) for i in range(len(src))], 2048, 0)[:2]
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    module = TTTModule(run.model)
+
+    def grads(b, impl):
+        tl._attn_implementation = impl
+        try:
+            run.model.zero_grad(set_to_none=True)
+            loss, _ = forward_batch(run, module, b, 5)
+            loss.backward()
+            return loss.item(), [p.grad.float().clone() for p in params]
+        finally:
+            tl._attn_implementation = flex.IMPL
+
+    report = {}
+    for i, (_, b, _) in enumerate(D.loader(src, batches, run.info.n_states, run.info.hidden_size, 2048, workers=0)):
+        assert b["doc_ids"].unique().numel() >= 2  # rows of several samples: the masks' boundaries matter
+        ls, gs = grads(b, "sdpa")
+        lf, gf = grads(b, flex.IMPL)
+        merged = {**b, "doc_ids": torch.zeros_like(b["doc_ids"])}
+        lm, gm = grads(merged, flex.IMPL)
+
+        def rel(a, c):
+            return max(float((x - y).norm() / y.norm().clamp_min(1e-12)) for x, y in zip(a, c))
+        report[i] = {"loss_sdpa": ls, "loss_flex": lf, "loss_merged": lm, "grad_rel_flex": rel(gf, gs),
+                     "grad_rel_merged": rel(gm, gs)}
+        assert abs(lf - ls) / ls < 5e-3, report[i]
+        assert report[i]["grad_rel_flex"] < 0.05, report[i]
+        assert report[i]["grad_rel_merged"] > 4 * report[i]["grad_rel_flex"], report[i]  # the check can fail
+    out = Path(os.environ.get("E3K_TEST_OUT", tmp_path)) / "gpu-flex-test.json"
+    out.write_text(json.dumps(report, indent=1))

@@ -17,7 +17,8 @@ def _extract(a):
                              final_normed=a.final_normed, server_args=a.server_args, seed=a.seed,
                              heldout_percent=a.heldout_percent, regenerate=a.regenerate,
                              regenerate_max_new_tokens=a.regenerate_max_new_tokens,
-                             regenerate_minutes=a.regenerate_minutes, reference_device=a.reference_device, reference_dtype=a.reference_dtype, port=a.port)
+                             regenerate_minutes=a.regenerate_minutes, regenerate_servers=a.regenerate_servers,
+                             reference_device=a.reference_device, reference_dtype=a.reference_dtype, port=a.port)
     failures = summary.pop("failures_list", [])
     print(json.dumps(summary, indent=1, default=str))
     for f in failures[:5]:
@@ -183,6 +184,9 @@ def main(argv=None) -> int:
                    help="time budget of --regenerate: no conversation starts after it, those regenerated are captured "
                         "and the rest counted as skipped (a rerun with a larger budget adds them); 0: cached replies "
                         "only; default: no budget")
+    e.add_argument("--regenerate-servers", type=int, default=1,
+                   help="engine sglang: servers writing the replies on the GPU, the capture server and plain servers "
+                        "on the next ports (one scheduler's CPU binds regeneration), each with --concurrency in flight")
     e.add_argument("--seed", type=int, default=0, help="seed of the train/held-out split")
     e.add_argument("--heldout-percent", type=float, default=5.0)
     e.add_argument("--port", type=int, default=30000, help="port of the SGLang server started here")

@@ -27,14 +27,17 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                    urls=(), aux_layer_ids=None, max_samples=None, max_tokens=2048, storage="bf16", concurrency=64,
                    world_size=1, rank=0, final_normed=False, server_args=(), progress=True, seed=0,
                    heldout_percent=5.0, regenerate=False, regenerate_max_new_tokens=256, reference_device="cpu",
-                   reference_dtype="float32", port=30000, regenerate_minutes=None) -> dict:
+                   reference_dtype="float32", port=30000, regenerate_minutes=None, regenerate_servers=1) -> dict:
     """``regenerate_minutes``: with ``regenerate``, start no new conversation after that long and capture those
-    regenerated (0: only the replies already cached in the folder); None: every conversation."""
+    regenerated (0: only the replies already cached in the folder); None: every conversation.
+    ``regenerate_servers`` (engine sglang): servers that write the replies, the capture server and plain SGLang
+    servers on the next ports beside it (``data.regenerate.HelperServers``; stopped before the capture), each with
+    ``concurrency`` replies in flight."""
     path = resolve_target(target)
     info = TargetInfo.read(path)
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
     check_extraction_settings(out_dir, aux, info.num_layers, max_samples, max_tokens, heldout_percent, concurrency,
-                              world_size, rank, regenerate_max_new_tokens, regenerate_minutes)
+                              world_size, rank, regenerate_max_new_tokens, regenerate_minutes, regenerate_servers)
     layer_ids = aux + [info.num_layers]
     from transformers import AutoTokenizer
 
@@ -61,27 +64,37 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
         backend = SGLangBackend(urls, concurrency, start_server=start_server, expect=expect)
     else:
         raise ValueError(f"engine {engine!r}: choose 'transformers' (CPU reference) or 'sglang' (GPU server)")
-    generator = None
+    generator, helpers = None, None
     if regenerate:
-        from eagle3kit.data.regenerate import SGLangGenerator, TransformersGenerator
+        from eagle3kit.data.regenerate import HelperServers, SGLangGenerator, TransformersGenerator
 
         if engine == "transformers":
             generator = TransformersGenerator(reference.tokenizer, reference.model, max_context=max_tokens)
         else:
+            def helper(i):
+                from eagle3kit.capture.server import SGLangServer
+
+                return SGLangServer(path, port=port + 1 + i, extra_args=server_args,
+                                    log_path=Path(out_dir) / f"sglang-regenerate-{i + 1}.log")
+
             def serving():  # the capture server generates too (its hook ignores these requests); started on need
                 backend.prepare()
+                helpers.start()
                 return backend.urls
             generator = SGLangGenerator(serving, tok, max_context=max_tokens)
+            helpers = HelperServers(regenerate_servers - 1, helper, generator.add_url)
     with exclusive(out_dir):  # one extraction per folder at a time
         t_data = time.time()
         try:
             samples, report = load_samples(
                 data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank, regenerate_with=generator,
                 regenerate_max_new_tokens=regenerate_max_new_tokens,
-                regenerate_concurrency=1 if engine == "transformers" else concurrency,
+                regenerate_concurrency=1 if engine == "transformers" else concurrency * regenerate_servers,
                 regenerated_cache=Path(out_dir) / "regenerated.jsonl",
                 regenerate_seconds=None if regenerate_minutes is None else 60 * regenerate_minutes)
             data_seconds = time.time() - t_data
+            if helpers is not None:
+                helpers.stop()  # the GPU and the CPU back to the capture
             if not samples:
                 why = ", ".join(f"{v} {k}" for k, v in report.skipped.items()) or "none skipped"
                 raise DataError(f"--data {data}: nothing to capture ({report.records} records read, {report.kept} "
@@ -90,6 +103,8 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                                 f"assistant reply")
             summary = extract(samples, out_dir, backend, settings, progress=progress)
         finally:
+            if helpers is not None:
+                helpers.stop()
             backend.close()  # also when only regeneration used the server
         rep = verify(out_dir)
         summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
@@ -97,6 +112,9 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                        data_skipped_total=sum(report.skipped.values()),
                        data_truncated_at_byte=report.truncated_at_byte or 0, layer_ids=layer_ids,
                        data_seconds=data_seconds)  # reading, rendering and (with regenerate) the replies
+        if helpers is not None:
+            summary.update(regenerate_servers_healthy=1 + len(helpers.healthy),
+                           regenerate_helpers_failed=helpers.failed)
         summary["failures_list"] = summary.pop("failures")
         write_run_metrics(out_dir, summary)
     return summary
@@ -136,7 +154,8 @@ def exclusive(out_dir):
 
 
 def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens, heldout_percent, concurrency=1,
-                              world_size=1, rank=0, regenerate_max_new_tokens=1, regenerate_minutes=None) -> None:
+                              world_size=1, rank=0, regenerate_max_new_tokens=1, regenerate_minutes=None,
+                              regenerate_servers=1) -> None:
     """Refuse settings that would make wrong or no data, before anything is loaded or written (so a refused run
     leaves the folder as it was). Each error names the option and the fix."""
     def need(ok, msg):
@@ -152,6 +171,8 @@ def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens,
     need(all(1 <= k < num_layers for k in aux), f"--layers {' '.join(map(str, aux))}: in the input_of_layer "
                                                 f"convention ids run from 1 to {num_layers - 1} for this target")
     need(0 <= heldout_percent < 100, f"--heldout-percent {heldout_percent}: a share in [0, 100)")
+    need(isinstance(regenerate_servers, int) and regenerate_servers >= 1,
+         f"--regenerate-servers {regenerate_servers}: give a whole number >= 1 (1: the capture server alone)")
     need(concurrency >= 1 and regenerate_max_new_tokens >= 1,
          f"--concurrency {concurrency} / --regenerate-max-new-tokens {regenerate_max_new_tokens}: give positive "
          f"numbers")

@@ -61,6 +61,13 @@ class SGLangGenerator:
                     self._resolve()
         return self._resolved
 
+    def add_url(self, url: str) -> None:
+        """Spread the next requests over one more server (a helper that became healthy meanwhile)."""
+        with self._lock:
+            if self._resolved is None:
+                self._resolve()
+            self._resolved = [*self._resolved, url]
+
     def __call__(self, messages, max_new_tokens: int) -> str:
         import requests
 
@@ -115,3 +122,56 @@ def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: 
                 yield r
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+class HelperServers:
+    """More servers for the replies on the same GPU: regeneration is bound by one SGLang scheduler's CPU (one core at
+    100 % while the H200 showed 35 % use, 2026-12-01), so ``n`` more schedulers decode more conversations per minute.
+    ``make(i)`` gives helper i (an unstarted ``SGLangServer``). They start one after the other in a background thread
+    (servers started together race for the free memory they size their pools from), each joining ``on_healthy(url)``
+    as it becomes healthy, so the replies start on the capture server at once. A helper that fails to start is
+    reported (``failed``) and left out; it never stops the run. ``stop()`` stops them all, one still starting too."""
+
+    def __init__(self, n: int, make, on_healthy, log=print):
+        self.n, self.make, self.on_healthy, self.log = n, make, on_healthy, log
+        self.servers, self.healthy, self.failed = [], [], []
+        self._stop = threading.Event()
+        self._thread = None
+
+    def start(self) -> "HelperServers":
+        if self.n > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="regeneration-helpers", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        for i in range(self.n):
+            if self._stop.is_set():
+                return
+            try:
+                srv = self.make(i)
+                self.servers.append(srv)
+                srv.start()
+                if self._stop.is_set():  # stop() came while this one started
+                    srv.stop()
+                    return
+                seconds = srv.wait_healthy()
+            except Exception as e:  # noqa: BLE001 - a helper is optional: reported, never fatal
+                if not self._stop.is_set():
+                    self.failed.append(f"helper {i}: {type(e).__name__}: {str(e)[:300]}")
+                    self.log(f"regeneration helper {i} did not start ({type(e).__name__}); going on without it")
+                continue
+            if self._stop.is_set():
+                return
+            self.healthy.append(srv.url)
+            self.on_healthy(srv.url)
+            self.log(f"regeneration helper {i} serving at {srv.url} after {seconds:.0f} s")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for srv in list(self.servers):
+            srv.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        for srv in list(self.servers):  # one that the thread started while the first pass stopped the others
+            srv.stop()

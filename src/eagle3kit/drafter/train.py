@@ -32,7 +32,7 @@ from eagle3kit.drafter import vocab as V
 from eagle3kit.drafter.objective import (LOSSES, ChainCounts, chain_count_tensor, serving_walk, step_loss, teacher,
                                          valid_rows)
 
-RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "eval_every", "max_minutes", "out_dir"}  # may differ
+RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "attention", "eval_every", "max_minutes", "out_dir"}  # may differ
 # on a resume (out_dir: a run folder moved or renamed resumes)
 
 
@@ -88,6 +88,7 @@ class TrainConfig:
     save_every: int = 100
     workers: int = 2
     device: str = "auto"
+    attention: str = "auto"  # sdpa (dense masks), flex (block-sparse, compiled: GPUs) or auto (flex on a GPU)
     progress: bool = True
     max_minutes: float = 0.0  # wall-clock budget of this invocation; 0: none (stops after an evaluation and a save)
     fit_schedule: bool = False  # with max_minutes: after FIT_AFTER steps, cut the planned steps to what fits in the
@@ -98,6 +99,7 @@ class TrainConfig:
             if not ok:
                 raise TrainError(f"train setting {what}")
         need(self.loss in LOSSES, f"loss={self.loss!r}: choose one of {LOSSES}")
+        need(self.attention in ("auto", "sdpa", "flex"), f"attention={self.attention!r}: choose auto, sdpa or flex")
         need(self.lm_head in ("trained", "frozen"), f"lm_head={self.lm_head!r}: choose 'trained' or 'frozen'")
         need(self.ttt_steps >= 1 and self.num_layers >= 1, "ttt_steps and num_layers must be >= 1")
         need(self.serving_steps >= 1, "serving_steps must be >= 1")
@@ -253,12 +255,48 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
         if dist.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             _atomic_save({**vocab.state(), "freq": freq}, vocab_file)
+    from eagle3kit.drafter import flex
+
+    sparse = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
+    if sparse and device.type != "cuda":
+        raise TrainError(f"attention=flex on {device}: PyTorch's flex attention has no backward there. Fix: "
+                         f"attention=sdpa (or auto) on a CPU")
     model = build(target, aux, vocab, cfg.num_layers, cfg.fc_norm, cfg.norm_output,
-                  train_lm_head=cfg.lm_head == "trained", ttt_steps=cfg.ttt_steps).to(device)
+                  train_lm_head=cfg.lm_head == "trained", ttt_steps=cfg.ttt_steps,
+                  attn_implementation=flex.IMPL if sparse else "sdpa").to(device)
     head = head.placed(device)
+    attention = "flex" if sparse else "sdpa"
+    if sparse and cfg.attention == "auto":
+        attention = _probe_flex(cfg, model, device, len(aux) * tinfo.hidden_size)
     return Run(cfg, dist, device, train_src, heldout_src, info, target, vocab, freq, model, head,
                vocab.target_to_draft().to(device), vocab.ids.to(device), int(torch.argmax(freq)),
-               extra={"aux_layer_ids": aux, "num_layers": tinfo.num_layers, "model_type": tinfo.model_type})
+               extra={"aux_layer_ids": aux, "num_layers": tinfo.num_layers, "model_type": tinfo.model_type,
+                      "attention": attention})
+
+
+def _probe_flex(cfg: TrainConfig, model, device, aux_width: int) -> str:
+    """attention=auto on a GPU: one forward and backward of the flex path at the run's shapes (which also compiles
+    its kernel, as the first step would). If it fails (e.g. a PyTorch or Triton without flex support), the run falls
+    back to dense SDPA (same network, slower) and says so, rather than losing the budget; attention=flex fails."""
+    from eagle3kit.drafter.ttt import draft_steps
+
+    n = cfg.tokens_per_batch * cfg.rows_per_batch
+    try:
+        with _autocast(device):
+            out = draft_steps(model, torch.zeros(n, aux_width, device=device), torch.zeros(n, dtype=torch.long,
+                              device=device), torch.zeros(n, dtype=torch.long, device=device),
+                              torch.arange(n, device=device) % cfg.tokens_per_batch, cfg.ttt_steps,
+                              cfg.rows_per_batch, cfg.tokens_per_batch)
+            loss = sum(x.float().mean() for x in out)
+        loss.backward()
+        return "flex"
+    except Exception as e:  # noqa: BLE001 - reported; the dense path trains the same network
+        model.config.transformer_layer_config._attn_implementation = "sdpa"
+        print(f"[train] flex attention failed on {device} ({type(e).__name__}: {str(e)[:300]}); training with dense "
+              f"SDPA attention instead (same network, slower). attention=sdpa skips this probe", flush=True)
+        return "sdpa"
+    finally:
+        model.zero_grad(set_to_none=True)
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -284,7 +322,8 @@ def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = T
     t = teacher(run.head, b["final"], run.vocab_ids, run.t2d_index)
     rows = max(1, b["input_ids"].shape[0] // cfg.tokens_per_batch)  # data.collate_rows: rows of tokens_per_batch
     with _autocast(run.device):
-        step_logits = module(b["aux"], b["input_ids"], b["doc_ids"], b["position_ids"], steps, rows)
+        step_logits = module(b["aux"], b["input_ids"], b["doc_ids"], b["position_ids"], steps, rows,
+                             cfg.tokens_per_batch)
     losses, total = [], None
     for k, logits in enumerate(step_logits):
         lk, n = step_loss(logits, t, valid_rows(b["loss_mask"], b["doc_ids"], k), k, cfg.loss)
@@ -327,7 +366,8 @@ def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int |
     return ChainCounts.from_tensor(steps, total)
 
 
-FIT_AFTER = 20  # fit_schedule: optimizer steps timed before the plan is cut to the budget
+FIT_AFTER = 20  # fit_schedule: optimizer steps timed before the plan is cut to the budget (after the first step,
+# whose compile of the flex attention kernel (tens of seconds on a GPU) is not the pace)
 
 
 def _schedule(cfg: TrainConfig, state: dict):
@@ -344,10 +384,10 @@ def _schedule(cfg: TrainConfig, state: dict):
     return factor
 
 
-def _fitted_steps(cfg: TrainConfig, state: dict, seconds_so_far: float, steps_so_far: int, eval_seconds: float,
+def _fitted_steps(cfg: TrainConfig, state: dict, seconds_so_far: float, pace: float, eval_seconds: float,
                   steps_per_epoch: int) -> int:
-    """The planned total cut to what fits in max_minutes at the pace measured so far (never longer than planned)."""
-    pace = seconds_so_far / max(steps_so_far, 1)
+    """The planned total cut to what fits in max_minutes at ``pace`` (seconds per step; never longer than planned)."""
+    pace = max(pace, 1e-9)
     left = 60 * cfg.max_minutes * 0.95 - seconds_so_far
     more = max(0, int(left / pace))
     evals = 1 + (more // cfg.eval_every if cfg.eval_every else more // max(steps_per_epoch, 1))
@@ -491,7 +531,8 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     eval_seconds = spent["eval"]  # the first evaluation, if this invocation made one: fit_schedule's cost per eval
     run.model.train()
     t_start = time.time()
-    fit_at = state["step"] + FIT_AFTER if cfg.fit_schedule and not state.get("fitted") else None
+    fit_from = state["step"] + 1 if cfg.fit_schedule and not state.get("fitted") else None  # pace timed from here
+    fit_at, t_fit = (fit_from + FIT_AFTER if fit_from is not None else None), None
     while state["step"] < total_steps and not state.get("stopped_early"):
         epoch, in_epoch = divmod(state["step"], steps_per_epoch)
         batches = D.epoch_plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch, steps_per_epoch * per_step)
@@ -541,8 +582,11 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 bar.set_postfix(loss=f"{m.get('loss_pos0', 0):.3f}", acc0=f"{m['acc_pos0']:.3f}",
                                 tok_s=f"{state['tokens'] / max(state['train_seconds'], 1e-9):,.0f}", refresh=False)
                 bar.update(1)
+            if state["step"] == fit_from:
+                t_fit = time.time()
             if state["step"] == fit_at:
-                fitted = _fitted_steps(cfg, state, time.time() - t_start, FIT_AFTER, eval_seconds, steps_per_epoch)
+                fitted = _fitted_steps(cfg, state, time.time() - t_start, (time.time() - t_fit) / FIT_AFTER,
+                                       eval_seconds, steps_per_epoch)
                 dist_fitted = int(dist.all_sum(torch.tensor([fitted], device=run.device)).item()) // dist.world
                 state["total_steps"], state["fitted"], total_steps = dist_fitted, True, dist_fitted
                 print(f"[train] fit_schedule: {total_steps} of {state['planned_steps']} planned steps fit in "
@@ -609,7 +653,7 @@ def _summary(run: Run, state: dict, lengths: list[int]) -> dict:
          "draft_vocab_coverage": run.vocab.coverage(run.freq), "heldout_samples": len(run.heldout_src or []),
          "best_step": best.get("step", 0), "train_total_steps_planned": state.get("planned_steps", 0),
          "train_total_steps_fitted": state.get("total_steps", 0) if state.get("fitted") else 0,
-         "train_stopped_early": bool(state.get("stopped_early"))}
+         "train_stopped_early": bool(state.get("stopped_early")), "train_attention": run.extra.get("attention")}
     for k, v in best.items():
         if k.startswith("heldout_"):
             s[k] = v
