@@ -68,6 +68,7 @@ drafter_phase() {  # $1 phase, $2 record folder
       cp "$D/manifest.jsonl" "$rec/" 2>/dev/null; gzip -f "$rec/manifest.jsonl" 2>/dev/null
       cp "$D/regenerated.jsonl" "$rec/" 2>/dev/null; gzip -f "$rec/regenerated.jsonl" 2>/dev/null
       cp "$D/sglang.log" "$rec/" 2>/dev/null; gzip -f "$rec/sglang.log" 2>/dev/null  # regeneration's decode throughput
+      for f in "$D"/sglang-regenerate-*.log; do [ -f "$f" ] && cp "$f" "$rec/" && gzip -f "$rec/$(basename "$f")"; done  # its helpers
       df -h /root > "$rec/disk.txt"; du -sh "$W"/* >> "$rec/disk.txt" 2>/dev/null ;;
     train)
       local mins=${E3K_TRAIN_MINUTES:-6} sets

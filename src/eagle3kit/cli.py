@@ -186,7 +186,8 @@ def main(argv=None) -> int:
                         "only; default: no budget")
     e.add_argument("--regenerate-servers", type=int, default=1,
                    help="engine sglang: servers writing the replies on the GPU, the capture server and plain servers "
-                        "on the next ports (one scheduler's CPU binds regeneration), each with --concurrency in flight")
+                        "on --port + 11, + 12, ... (one scheduler's CPU binds regeneration), each with --concurrency "
+                        "in flight")
     e.add_argument("--seed", type=int, default=0, help="seed of the train/held-out split")
     e.add_argument("--heldout-percent", type=float, default=5.0)
     e.add_argument("--port", type=int, default=30000, help="port of the SGLang server started here")

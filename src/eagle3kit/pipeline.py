@@ -31,8 +31,8 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
     """``regenerate_minutes``: with ``regenerate``, start no new conversation after that long and capture those
     regenerated (0: only the replies already cached in the folder); None: every conversation.
     ``regenerate_servers`` (engine sglang): servers that write the replies, the capture server and plain SGLang
-    servers on the next ports beside it (``data.regenerate.HelperServers``; stopped before the capture), each with
-    ``concurrency`` replies in flight."""
+    servers beside it on ports ``port`` + 11, + 12, ... (``data.regenerate.HelperServers``; stopped before the
+    capture), each with ``concurrency`` replies in flight."""
     path = resolve_target(target)
     info = TargetInfo.read(path)
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
@@ -74,7 +74,7 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
             def helper(i):
                 from eagle3kit.capture.server import SGLangServer
 
-                return SGLangServer(path, port=port + 1 + i, extra_args=server_args,
+                return SGLangServer(path, port=port + 11 + i, extra_args=server_args,
                                     log_path=Path(out_dir) / f"sglang-regenerate-{i + 1}.log")
 
             def serving():  # the capture server generates too (its hook ignores these requests); started on need
