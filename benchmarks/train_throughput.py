@@ -378,7 +378,8 @@ def main(argv=None) -> int:
             res[name].append({"error": "left out (--passes)"} if left_out else run_pass(a, argv, name, rnd, say))
         if "speculators" not in passes:
             res["speculators"].append({"error": "left out (--passes)"})
-        elif spec_export is None:
+            continue
+        if spec_export is None:
             res["speculators"].append({"error": "the speculators export failed"})
             continue
         r = run_pass(a, argv + spec_argv, "speculators", rnd, say)
@@ -397,7 +398,8 @@ def main(argv=None) -> int:
         + f" {'median':>12} {'spread':>8}   tokens/s")
     ab = {n: stats(res[n]) for n in ("eagle3kit-ab", "compute-ab") if n in res}
     for name, s in (("eagle3kit", e3k), ("compute", comp), *ab.items(), ("speculators", spec)):
-        cells = [f"{r['tokens_per_s']:>12,.0f}" if "error" not in r else f"{'error':>12}" for r in res[name]]
+        cells = [f"{r['tokens_per_s']:>12,.0f}" if "error" not in r else
+                 f"{'-' if r['error'].startswith('left out') else 'error':>12}" for r in res[name]]
         say(f"{name:<12} " + " ".join(cells) + (f" {s['median']:>12,.0f} {s['spread_pct']:>7.1f}%"
                                                  if s["median"] else f" {'-':>12} {'-':>8}"))
     say(f"ratio eagle3kit / speculators (medians): {ratio:.2f}" if ratio else "ratio eagle3kit / speculators: -")
@@ -408,8 +410,8 @@ def main(argv=None) -> int:
         for n in ab:
             base = (e3k if n.startswith("eagle3kit") else comp)["median"]
             if base and ab[n]["median"]:
-                say(f"{n.replace('-ab', '')} with {' '.join(a.set) or 'the recipe'} / with {' '.join(a.ab)} "
-                    f"(medians): {base / ab[n]['median']:.2f}")
+                say(f"{n.replace('-ab', '')} / {n} (with {' '.join(a.ab)} over the same settings), medians: "
+                    f"{base / ab[n]['median']:.2f}")
     errors = [r["error"] for r in res["speculators"] if "error" in r and "speculators" in passes]
     train_errors = [r["error"] for r in res["eagle3kit"] if "error" in r and "eagle3kit" in passes]
     metrics = {"train_tokens_per_s_alone": e3k["median"], "train_tokens_per_s_rounds": e3k["rounds"],

@@ -371,10 +371,42 @@ def test_sglang_regeneration_spreads_over_data_parallel_servers(tokenizer):
         SGLangGenerator([], tokenizer)
 
 
+def test_regeneration_budget_counts_from_when_the_servers_answer(tokenizer, tmp_path):
+    """regenerate_seconds counts replies: a generator's prepare() (servers starting) runs before its clock. Without
+    it, a start longer than the budget left one conversation (the one that waited for the start)."""
+    from eagle3kit.extract import load_samples
+
+    class Lazy:  # starts its "server" on the first reply (SGLangGenerator with a callable urls)
+        def __init__(self):
+            self.up = False
+
+        def start(self):
+            time.sleep(0.6)
+            self.up = True
+
+        def __call__(self, messages, n):
+            if not self.up:
+                self.start()
+            return "reply"
+
+    class Prepared(Lazy):
+        def prepare(self):
+            self.start()
+
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+             for i in range(6)]
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    for gen, want in ((Prepared(), 6), (Lazy(), 1)):
+        cache = tmp_path / f"{type(gen).__name__}.jsonl"
+        load_samples(str(data), tokenizer, 6, 2048, regenerate_with=gen, regenerated_cache=cache, regenerate_seconds=0.4)
+        assert len(cache.read_text().splitlines()) == want, type(gen).__name__
+
+
 def test_regeneration_helpers_join_as_they_become_healthy_and_a_failed_one_is_left_out(tokenizer):
-    """HelperServers: helpers start one after the other (never together), each joins the generator's servers when
-    healthy (requests then reach it: stand-in endpoints answering like SGLang), one that fails to start is reported
-    and left out, and stop() stops every started one."""
+    """HelperServers: helpers start staggered (never at the same moment: servers size their pools from the free
+    memory), each joins the generator's servers when healthy (requests then reach it: stand-in endpoints answering
+    like SGLang), one that fails to start is reported and left out, and stop() stops every started one."""
     from test_client import endpoint
 
     from eagle3kit.data.regenerate import HelperServers, SGLangGenerator, regenerate
@@ -393,8 +425,7 @@ def test_regeneration_helpers_join_as_they_become_healthy_and_a_failed_one_is_le
             self.i, self.url = i, url[min(i + 1, 2)]
 
         def start(self):
-            assert not events or events[-1][0] in ("healthy", "failed")  # the previous one is up (or gone) first
-            events.append(("start", self.i))
+            events.append(("start", self.i, time.monotonic()))
             return self
 
         def wait_healthy(self):
@@ -409,8 +440,13 @@ def test_regeneration_helpers_join_as_they_become_healthy_and_a_failed_one_is_le
 
     try:
         gen = SGLangGenerator([url[0]], tokenizer)
-        helpers = HelperServers(3, Stand, gen.add_url, log=lambda s: None).start()
+        t0 = time.monotonic()
+        helpers = HelperServers(3, Stand, gen.add_url, log=lambda s: None, stagger=0.2).start()
         helpers._thread.join(5)
+        starts = [e for e in events if e[0] == "start"]
+        assert [e[1] for e in starts] == [0, 1, 2]
+        assert all(b[2] - a[2] >= 0.19 for a, b in zip([("", -1, t0)] + starts, starts))  # (i + 1) * stagger
+        assert [e[:2] for e in events[3:]] == [("healthy", 0), ("failed", 1), ("healthy", 2)]  # after all started
         assert helpers.healthy == [url[1], url[2]] and gen.urls == url
         assert len(helpers.failed) == 1 and "helper 1" in helpers.failed[0] and "exited" in helpers.failed[0]
         convs = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
@@ -418,11 +454,11 @@ def test_regeneration_helpers_join_as_they_become_healthy_and_a_failed_one_is_le
         assert len(list(regenerate(convs, gen, 4, concurrency=3))) == 6
         assert sorted(seen) == sorted([e.server_port for e in endpoints] * 2)  # the helpers answered their share
         helpers.stop()
-        assert {e for e in events if e[0] == "stop"} == {("stop", 0), ("stop", 1), ("stop", 2)}
+        assert {e[:2] for e in events if e[0] == "stop"} == {("stop", 0), ("stop", 1), ("stop", 2)}
     finally:
         for srv in endpoints:
             srv.shutdown()
-    idle = HelperServers(2, Stand, lambda u: None, log=lambda s: None)  # stopped before it started: none starts
+    idle = HelperServers(2, Stand, lambda u: None, log=lambda s: None, stagger=0.01)  # stopped first: none starts
     idle.stop()
     idle.start()
     idle._thread.join(5)

@@ -56,4 +56,5 @@ def test_train_benchmark_ab_runs_both_configurations_in_each_round(small_dataset
     # the second configuration really ran with its settings: two packed rows per step, against one
     assert m["eagle3kit_ab_rounds_detail"][0]["tokens"] > m["eagle3kit_rounds_detail"][0]["tokens"]
     log = (out / "bench.log").read_text()
-    assert "compute-ab" in log and "with rows_per_batch=2 (medians)" in log
+    assert "compute-ab" in log and "compute / compute-ab (with rows_per_batch=2 over the same settings)" in log
+    assert not (out / "logs" / "speculators-r1.log").exists()  # left out: never started

@@ -287,8 +287,8 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
     """Conversations -> rendered samples of this shard; also returns the loader's report (truncation etc.).
     ``regenerate_with``: a generator (see data.regenerate) that replaces the assistant turns first; the replies are
     kept in ``regenerated_cache`` (JSONL) so that a resumed run renders exactly the same tokens.
-    ``regenerate_seconds``: no new conversation is regenerated after that long (0: only the cached replies); the
-    conversations left without the target's replies are not captured, and are counted in the report's skipped."""
+    ``regenerate_seconds``: no new conversation is regenerated after that long (0: only the cached replies), counted
+    from when the generator's servers answer (``prepare()``: their start is not part of it); the conversations left without the target's replies are not captured, and are counted in the report's skipped."""
     if max_samples is not None and max_samples <= 0:
         raise ValueError(f"max_samples={max_samples}: give a positive number or None for all")
     limit = None if max_samples is None else max_samples * world_size
@@ -306,6 +306,8 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
         mine = [c for i, c in enumerate(convs) if i % world_size == rank and c["id"] not in done]
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
+        if mine and regenerate_seconds and hasattr(regenerate_with, "prepare"):
+            regenerate_with.prepare()  # servers started before the budget's clock: it counts replies only
         deadline = None if regenerate_seconds is None else time.monotonic() + regenerate_seconds
         with open(cache if cache is not None else os.devnull, "a") as f:
             for c in regenerate(mine, regenerate_with, regenerate_max_new_tokens, regenerate_concurrency, deadline):

@@ -77,9 +77,9 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                 return SGLangServer(path, port=port + 11 + i, extra_args=server_args,
                                     log_path=Path(out_dir) / f"sglang-regenerate-{i + 1}.log")
 
-            def serving():  # the capture server generates too (its hook ignores these requests); started on need
+            def serving():  # the capture server generates too (its hook ignores these requests); started on need,
+                helpers.start()  # with the helpers' processes beside it (staggered)
                 backend.prepare()
-                helpers.start()
                 return backend.urls
             generator = SGLangGenerator(serving, tok, max_context=max_tokens)
             helpers = HelperServers(regenerate_servers - 1, helper, generator.add_url)

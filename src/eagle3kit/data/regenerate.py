@@ -61,6 +61,11 @@ class SGLangGenerator:
                     self._resolve()
         return self._resolved
 
+    def prepare(self) -> None:
+        """Resolve the servers now (start them, when ``urls`` is a callable): a time budget then counts replies, not
+        the servers' start (about 2 min for SmolLM2 on the H200, its CUDA graphs captured)."""
+        _ = self.urls
+
     def add_url(self, url: str) -> None:
         """Spread the next requests over one more server (a helper that became healthy meanwhile)."""
         with self._lock:
@@ -127,13 +132,16 @@ def regenerate(conversations, generate, max_new_tokens: int = 512, concurrency: 
 class HelperServers:
     """More servers for the replies on the same GPU: regeneration is bound by one SGLang scheduler's CPU (one core at
     100 % while the H200 showed 35 % use, 2026-12-01), so ``n`` more schedulers decode more conversations per minute.
-    ``make(i)`` gives helper i (an unstarted ``SGLangServer``). They start one after the other in a background thread
-    (servers started together race for the free memory they size their pools from), each joining ``on_healthy(url)``
-    as it becomes healthy, so the replies start on the capture server at once. A helper that fails to start is
-    reported (``failed``) and left out; it never stops the run. ``stop()`` stops them all, one still starting too."""
+    ``make(i)`` gives helper i (an unstarted ``SGLangServer``). Helper i's process starts ``(i + 1) * stagger``
+    seconds after ``start()``, beside the capture server that starts at once: a server sizes its KV pool from the
+    memory free when it loads, so servers started at the same moment can count the same memory twice; 20 s apart,
+    each has allocated its pool before the next one looks (SmolLM2 on the H200: pool allocated 36 s after start).
+    Starting them one after the other instead cost a minute each (CUDA graph capture: 57 and 64 s, 2026-12-01).
+    Each joins ``on_healthy(url)`` as it becomes healthy. A helper that fails to start is reported (``failed``) and
+    left out; it never stops the run. ``stop()`` stops them all, one still starting too."""
 
-    def __init__(self, n: int, make, on_healthy, log=print):
-        self.n, self.make, self.on_healthy, self.log = n, make, on_healthy, log
+    def __init__(self, n: int, make, on_healthy, log=print, stagger: float = 20.0):
+        self.n, self.make, self.on_healthy, self.log, self.stagger = n, make, on_healthy, log, stagger
         self.servers, self.healthy, self.failed = [], [], []
         self._stop = threading.Event()
         self._thread = None
@@ -144,28 +152,38 @@ class HelperServers:
             self._thread.start()
         return self
 
+    def _fail(self, i: int, e: Exception) -> None:
+        if not self._stop.is_set():
+            self.failed.append(f"helper {i}: {type(e).__name__}: {str(e)[:300]}")
+            self.log(f"regeneration helper {i} did not start ({type(e).__name__}); going on without it")
+
     def _run(self) -> None:
+        started = []
         for i in range(self.n):
-            if self._stop.is_set():
+            if self._stop.wait(self.stagger):  # True: stop() came
                 return
             try:
                 srv = self.make(i)
                 self.servers.append(srv)
                 srv.start()
-                if self._stop.is_set():  # stop() came while this one started
-                    srv.stop()
-                    return
-                seconds = srv.wait_healthy()
             except Exception as e:  # noqa: BLE001 - a helper is optional: reported, never fatal
-                if not self._stop.is_set():
-                    self.failed.append(f"helper {i}: {type(e).__name__}: {str(e)[:300]}")
-                    self.log(f"regeneration helper {i} did not start ({type(e).__name__}); going on without it")
+                self._fail(i, e)
+                continue
+            if self._stop.is_set():  # stop() came while this one started
+                srv.stop()
+                return
+            started.append((i, srv))
+        for i, srv in started:
+            try:
+                seconds = srv.wait_healthy()
+            except Exception as e:  # noqa: BLE001
+                self._fail(i, e)
                 continue
             if self._stop.is_set():
                 return
             self.healthy.append(srv.url)
             self.on_healthy(srv.url)
-            self.log(f"regeneration helper {i} serving at {srv.url} after {seconds:.0f} s")
+            self.log(f"regeneration helper {i} serving at {srv.url}, {seconds:.0f} s after its start")
 
     def stop(self) -> None:
         self._stop.set()
