@@ -13,12 +13,15 @@
 # its KV pool after: "Loaded weights leave no GPU memory for the KV cache", seen 2026-12-01), hence the delays and the
 # family's 0.5. seconds: the limit of each long command in the group; a command cut by it still leaves what it wrote
 # to its phase's archive. Two chains may run side by side as lanes, each cleaning up only its own phases' servers
-# (log to /root/chain-<lane>.log). The default is what the open issues' records still lack after 2026-12-01 (eleventh
-# session), for one GPU and a 30-minute budget less the install: the drafter's data alone (regeneration binds it; set
-# E3K_DATA_SETS="--set 03_extract.regenerate_minutes=4 --set 03_extract.final_normed=false", E3K_MAX_SAMPLES=8500,
-# E3K_DATA_CONTROLS="" E3K_CONTROLS=""), the hook-exception fault test beside the training (E3K_FAULTS_K=exception;
-# the load test passed in gpu-faults-3), the training with E3K_TRAIN_MINUTES=7, then serve with its variants (#11).
+# (log to /root/chain-<lane>.log). The default is what the open issues' records still lack after 2026-12-01 (twelfth
+# session), for one GPU and a 30-minute budget less the install (~3 min): the drafter's data with three regeneration
+# servers (E3K_DATA_SETS="--set 03_extract.regenerate_minutes=2.5 --set 03_extract.final_normed=false",
+# E3K_MAX_SAMPLES=12000, E3K_DATA_CONTROLS="" E3K_CONTROLS=""; the servers' start, ~2.5 min, comes on top), the training
+# alone with flex attention (E3K_TRAIN_MINUTES=7), then serve (E3K_SERVE_SETS="--set 05_acceptance.variants={}").
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first.
+# Poll back to back: the machine is taken back ~30 s after a call returns, chain and data with it (2026-12-01: a
+# poll started late lost a training at 52 % and the serve phase). Never stop a phase's `timeout` with SIGSTOP to give
+# it more time: on SIGCONT its pending alarm still interrupts the phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
 # by its pid; never `pkill -f` a pattern that the stopping command itself contains: the device agent runs that command
 # line, matched itself, and the machine was replaced with SGLang's install lost (2026-12-01).
@@ -39,7 +42,7 @@ kill_servers_of() {  # only this phase's SGLang processes: another chain (a seco
     tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$1" && kill -9 "$p" 2>/dev/null
   done
 }
-CHAIN=${E3K_CHAIN:-"data:480 train+faults@30:540 serve:420"}
+CHAIN=${E3K_CHAIN:-"data:480 train:540 serve:420"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   group=${item%%:*} limit=${item#*:}
