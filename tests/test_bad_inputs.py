@@ -45,6 +45,7 @@ CASES = [  # (extra args, words the message must hold)
     (["--data", "good.json", "--rank", "2", "--world-size", "2"], ["--rank 2 --world-size 2"]),
     (["--data", "good.json", "--regenerate", "--regenerate-minutes", "-1"], ["--regenerate-minutes -1", ">= 0"]),
     (["--data", "good.json", "--regenerate", "--regenerate-servers", "0"], ["--regenerate-servers 0", ">= 1"]),
+    (["--data", "good.json", "--regenerate", "--regenerate-servers", "2"], ["--regenerate-servers 2", "--engine sglang"]),
     (["--data", "good.json", "--out", "afile"], ["--out", "afile is a file"]),
 ]
 

@@ -37,7 +37,8 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
     info = TargetInfo.read(path)
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
     check_extraction_settings(out_dir, aux, info.num_layers, max_samples, max_tokens, heldout_percent, concurrency,
-                              world_size, rank, regenerate_max_new_tokens, regenerate_minutes, regenerate_servers)
+                              world_size, rank, regenerate_max_new_tokens, regenerate_minutes, regenerate_servers,
+                              helpers_here=engine == "sglang" and not urls)
     layer_ids = aux + [info.num_layers]
     from transformers import AutoTokenizer
 
@@ -155,7 +156,7 @@ def exclusive(out_dir):
 
 def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens, heldout_percent, concurrency=1,
                               world_size=1, rank=0, regenerate_max_new_tokens=1, regenerate_minutes=None,
-                              regenerate_servers=1) -> None:
+                              regenerate_servers=1, helpers_here=True) -> None:
     """Refuse settings that would make wrong or no data, before anything is loaded or written (so a refused run
     leaves the folder as it was). Each error names the option and the fix."""
     def need(ok, msg):
@@ -173,6 +174,9 @@ def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens,
     need(0 <= heldout_percent < 100, f"--heldout-percent {heldout_percent}: a share in [0, 100)")
     need(isinstance(regenerate_servers, int) and regenerate_servers >= 1,
          f"--regenerate-servers {regenerate_servers}: give a whole number >= 1 (1: the capture server alone)")
+    need(regenerate_servers == 1 or helpers_here,
+         f"--regenerate-servers {regenerate_servers}: more regeneration servers start beside a capture server that "
+         f"eagle3kit starts (--engine sglang without --urls); with --urls, give more --urls instead")
     need(concurrency >= 1 and regenerate_max_new_tokens >= 1,
          f"--concurrency {concurrency} / --regenerate-max-new-tokens {regenerate_max_new_tokens}: give positive "
          f"numbers")

@@ -32,8 +32,8 @@ from eagle3kit.drafter import vocab as V
 from eagle3kit.drafter.objective import (LOSSES, ChainCounts, chain_count_tensor, serving_walk, step_loss, teacher,
                                          valid_rows)
 
-RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "attention", "eval_every", "max_minutes", "out_dir"}  # may differ
-# on a resume (out_dir: a run folder moved or renamed resumes)
+# settings that may differ on a resume (out_dir: a run folder moved or renamed resumes)
+RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "attention", "eval_every", "max_minutes", "out_dir"}
 
 
 class TrainError(ValueError):
