@@ -485,3 +485,37 @@ def test_collate_rows_pads_each_row_with_rows_no_loss_or_count_sees_and_refuses_
     assert b["loss_mask"].tolist() == [1] * 5 + [0] * 7 + [1] * 6 and D.real_rows(b) == 11
     with pytest.raises(ValueError, match="longer than row_len 5"):
         D.collate_rows([[part(6, 9)]], 5, 4, 2)
+
+
+@pytest.mark.parametrize("kind", ["kl", "ce_masked"])
+def test_step_loss_equals_the_textbook_formula_with_its_gradient(kind):
+    """The sliced, batched-dot form of step_loss gives the direct formula's loss and gradient (rows whose teacher row
+    exists; the last k rows never count), for every TTT step; the same comparison against the teacher one row off
+    fails."""
+    g = torch.Generator().manual_seed(7)
+    vocab_ids = torch.tensor([0, 2, 3, 5, 6, 9, 10])
+    t = _teacher(torch.randn(12, 12, generator=g) * 3, vocab_ids, 12)
+    logits = torch.randn(12, 7, generator=g)
+
+    def textbook(x, k, off=0):
+        p_log = shifted(t.logp, k + off)
+        q_log = torch.log_softmax(x, -1)
+        per_row = (p_log.exp() * (p_log - q_log)).sum(-1) if kind == "kl" else -(p_log.exp() * q_log).sum(-1)
+        rows = valid & (shifted(t.draft_index, k + off, -1) >= 0) if kind == "ce_masked" else valid
+        return torch.where(rows, per_row, 0.0).sum() / rows.sum().clamp(min=1)
+
+    for k in range(4):
+        valid = torch.arange(12) + k < 11  # the rows with a teacher row, as valid_rows gives them
+        valid[3] = False
+        a = logits.clone().requires_grad_()
+        b = logits.clone().requires_grad_()
+        la, _ = step_loss(a, t, valid, k, kind)
+        lb = textbook(b, k)
+        la.backward()
+        lb.backward()
+        assert float(la) == pytest.approx(float(lb), rel=1e-5, abs=1e-6), k
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+        assert float(la) != pytest.approx(float(textbook(logits, k, off=1)), rel=1e-3)
+    bf16 = step_loss(logits.bfloat16(), t, valid, 1, kind)[0]  # bf16 logits: the float32 log-softmax reads them
+    assert bf16.dtype == torch.float32 and float(bf16) == pytest.approx(
+        float(step_loss(logits.bfloat16().float(), t, valid, 1, kind)[0]), rel=1e-6)

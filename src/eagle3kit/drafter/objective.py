@@ -19,6 +19,7 @@ Step k's loss is weighted ``step_decay ** k`` (speculators 1.0, SpecForge/EAGLE 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -32,6 +33,16 @@ class Teacher:
     token: torch.Tensor  # int64 [S]: the target's greedy token at each row (full vocabulary)
     draft_index: torch.Tensor  # int64 [S]: its index in the draft vocabulary, -1 when outside
     logp: torch.Tensor  # float32 [S, N]: log-softmax of the target logits over the draft vocabulary
+
+    @cached_property
+    def p(self) -> torch.Tensor:
+        """The target's probabilities over the draft vocabulary, once for every TTT step."""
+        return self.logp.exp()
+
+    @cached_property
+    def neg_entropy(self) -> torch.Tensor:
+        """sum_v p log p per row: KL(p || q) = this - sum_v p log q."""
+        return (self.p * self.logp).sum(-1)
 
 
 @torch.no_grad()
@@ -54,14 +65,21 @@ def valid_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, k: int) -> torch.
 
 def step_loss(logits: torch.Tensor, t: Teacher, valid: torch.Tensor, k: int, kind: str):
     """(mean loss of step k over its rows, number of rows as a 0-dim tensor), without a host sync: every row is
-    scored and the rows that do not count are weighted 0 (boolean indexing would wait for the GPU each step)."""
+    scored and the rows that do not count are weighted 0 (boolean indexing would wait for the GPU each step).
+
+    Row r's teacher is row r + k. The [rows, vocab] work is what a step's memory traffic is made of (the dtype casts,
+    products and softmax led the H200's profile once the attention was sparse), so: the teacher's probabilities and
+    sum p log p are computed once for all steps (``Teacher``), aligned by slicing (no shifted copy), the bf16 logits
+    go into the fp32 log-softmax without a separate cast, and sum_v p log q is a batched dot product (no product
+    tensor). The last k rows have no teacher row; they never count (``valid_rows``) and score 0."""
     if kind not in LOSSES:
         raise ValueError(f"loss {kind!r}: choose one of {LOSSES}")
-    p_log = shifted(t.logp, k)
     rows = valid if kind == "kl" else valid & (shifted(t.draft_index, k, -1) >= 0)
-    q_log = torch.log_softmax(logits.float(), dim=-1)
-    p = p_log.exp()
-    per_row = (p * (p_log - q_log)).sum(-1) if kind == "kl" else -(p * q_log).sum(-1)
+    q_log = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    m = max(q_log.shape[0] - k, 0)
+    cross = torch.bmm(t.p[k:k + m].unsqueeze(1), q_log[:m].unsqueeze(2)).view(m)  # sum_v p log q
+    cross = torch.cat([cross, cross.new_zeros(q_log.shape[0] - m)])
+    per_row = shifted(t.neg_entropy, k) - cross if kind == "kl" else -cross
     n = rows.sum()
     return torch.where(rows, per_row, 0.0).sum() / n.clamp(min=1), n
 
