@@ -66,7 +66,9 @@ drafter_phase() {  # $1 phase, $2 record folder
       for p in "${pids[@]}" $orig; do wait $p || rc=1; done
       for c in original engine fp8 postnorm; do cp "$W/$c/metrics.json" "$rec/data-$c.metrics.json" 2>/dev/null; cp "$W/$c/extraction.json" "$rec/data-$c.extraction.json" 2>/dev/null; done
       cp "$D/manifest.jsonl" "$rec/" 2>/dev/null; gzip -f "$rec/manifest.jsonl" 2>/dev/null
-      cp "$D/regenerated.jsonl" "$rec/" 2>/dev/null; gzip -f "$rec/regenerated.jsonl" 2>/dev/null
+      # the replies: a head and the count (all of them, gzipped, made 1-3 MB a record, and every device call carries
+      # the tree within 64 MiB)
+      [ -f "$D/regenerated.jsonl" ] && { head -50 "$D/regenerated.jsonl" > "$rec/regenerated-head.jsonl"; wc -l < "$D/regenerated.jsonl" > "$rec/regenerated-count.txt"; }
       cp "$D/sglang.log" "$rec/" 2>/dev/null; gzip -f "$rec/sglang.log" 2>/dev/null  # regeneration's decode throughput
       for f in "$D"/sglang-regenerate-*.log; do [ -f "$f" ] && cp "$f" "$rec/" && gzip -f "$rec/$(basename "$f")"; done  # its helpers
       df -h /root > "$rec/disk.txt"; du -sh "$W"/* >> "$rec/disk.txt" 2>/dev/null ;;
