@@ -117,12 +117,12 @@ def pass_a(a, out: Path, ab: bool = False) -> dict:
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     src = D.CaptureSource(cfg.data, "train")
     lengths = [src.length(i) for i in range(len(src))]
-    ga, tpb = cfg.grad_accum * cfg.rows_per_batch, cfg.tokens_per_batch  # packed rows per step
-    per_epoch = len(D.plan(lengths, tpb, cfg.seed, 0)) // ga  # as train(): batch j of epoch e, ga per step
+    per_step, tpb = cfg.grad_accum * cfg.rows_per_batch, cfg.tokens_per_batch  # packed rows per optimizer step
+    per_epoch = len(D.plan(lengths, tpb, cfg.seed, 0)) // per_step  # as train(): batch j of epoch e
     rows = []
     for s in range(len(log)):
         epoch, k = divmod(s, per_epoch)
-        step = D.epoch_plan(lengths, tpb, cfg.seed, epoch, per_epoch * ga)[k * ga:(k + 1) * ga]
+        step = D.epoch_plan(lengths, tpb, cfg.seed, epoch, per_epoch * per_step)[k * per_step:(k + 1) * per_step]
         rows.append(sum(min(max(lengths[i] - 1, 0), tpb) for b in step for i in b))
     if sum(rows) != summary["train_tokens_seen"] or not all(r["tokens_per_s"] > 0 for r in log):
         # samples were skipped: the plan's rows are not what was trained; fall back to train()'s overall figure
@@ -275,8 +275,9 @@ def speculators_export(a, spec_data: Path, say):
     except subprocess.TimeoutExpired:
         why = f"timed out after {a.timeout_s} s"
     if (spec_data / "dataset_info.json").exists():
-        say(f"speculators export: {spec_data} in {round(time.time() - t, 1)} s")
-        return round(time.time() - t, 1)
+        took = round(time.time() - t, 1)
+        say(f"speculators export: {spec_data} in {took} s")
+        return took
     say(f"speculators export failed: {why.strip()[-1500:]}")
     return None
 

@@ -142,6 +142,35 @@ def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_
     assert all(x > 0 for x in parts) and s["train_seconds"] + sum(parts) <= s["train_wall_seconds"] <= took, s
 
 
+def test_fit_schedule_times_its_pace_after_the_first_step(small_dataset, tmp_path, monkeypatch):
+    """The first step may compile kernels (flex attention on a GPU: tens of seconds); fit_schedule's pace is the 20
+    steps after it. A first step made 4 s slower leaves the pace at the later steps' (with it, the pace would be
+    0.2 s a step higher and the plan cut short)."""
+    import eagle3kit.drafter.train as T
+
+    real_forward, real_fit, seen = T.forward_batch, T._fitted_steps, {}
+
+    def slow_first(run, module, batch, steps, with_loss=True, walk=None):
+        if with_loss and not seen.get("slowed"):
+            seen["slowed"] = True
+            time.sleep(4.0)
+        return real_forward(run, module, batch, steps, with_loss, walk)
+
+    def spy(cfg, state, seconds_so_far, pace, *a):
+        seen["pace"] = pace
+        return real_fit(cfg, state, seconds_so_far, pace, *a)
+
+    monkeypatch.setattr(T, "forward_batch", slow_first)
+    monkeypatch.setattr(T, "_fitted_steps", spy)
+    train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=0.5,
+                      eval_every=100_000, fit_schedule=True, **TINY))
+    rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
+    after_first = sum(r["seconds"] for r in rows[1:21]) / 20
+    assert rows[0]["seconds"] >= 4.0 and "pace" in seen
+    assert after_first <= seen["pace"] < after_first * 1.2 + 0.05, (seen["pace"], after_first)
+    assert seen["pace"] < (rows[0]["seconds"] + 19 * after_first) / 20 - 0.1  # what counting the first step gives
+
+
 def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
     out = tmp_path / "r"
     train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=1, **TINY))
@@ -150,7 +179,8 @@ def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
 
 
 @pytest.mark.parametrize("bad", [{"loss": "mse"}, {"lm_head": "tied"}, {"ttt_steps": 2, "serving_steps": 3},
-                                 {"tokens_per_batch": 4}, {"step_decay": 0}, {"fit_schedule": True}])
+                                 {"tokens_per_batch": 4}, {"step_decay": 0}, {"fit_schedule": True},
+                                 {"attention": "dense"}])
 def test_bad_settings_are_refused(bad, small_dataset, tmp_path):
     with pytest.raises(TrainError):
         TrainConfig.from_dict({"data": str(small_dataset), "out_dir": str(tmp_path), **{**TINY, **bad}})

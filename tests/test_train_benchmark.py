@@ -58,3 +58,5 @@ def test_train_benchmark_ab_runs_both_configurations_in_each_round(small_dataset
     log = (out / "bench.log").read_text()
     assert "compute-ab" in log and "compute / compute-ab (with rows_per_batch=2 over the same settings)" in log
     assert not (out / "logs" / "speculators-r1.log").exists()  # left out: never started
+    bad = subprocess.run(cmd[:-1] + ["eagle3kit,speculator"], env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--passes eagle3kit,speculator: choose among" in bad.stderr

@@ -288,7 +288,8 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
     ``regenerate_with``: a generator (see data.regenerate) that replaces the assistant turns first; the replies are
     kept in ``regenerated_cache`` (JSONL) so that a resumed run renders exactly the same tokens.
     ``regenerate_seconds``: no new conversation is regenerated after that long (0: only the cached replies), counted
-    from when the generator's servers answer (``prepare()``: their start is not part of it); the conversations left without the target's replies are not captured, and are counted in the report's skipped."""
+    from when the generator's servers answer (``prepare()``: their start is not part of it); the conversations left
+    without the target's replies are not captured, and are counted in the report's skipped."""
     if max_samples is not None and max_samples <= 0:
         raise ValueError(f"max_samples={max_samples}: give a positive number or None for all")
     limit = None if max_samples is None else max_samples * world_size
