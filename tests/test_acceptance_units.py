@@ -456,6 +456,28 @@ def _measured(tps, accepts=None):
                 "output_tokens_per_s_min": min(tps), "output_tokens_per_s_max": max(tps)}}
 
 
+def test_measure_server_warms_each_concurrency_before_its_timed_rounds(monkeypatch):
+    """An EAGLE server's first batch of a new size is slow (records gpu-drafter-pipeline-3 and -6: 37-47 %), so each
+    concurrency gets one untimed pass first and the rounds time only the warm server."""
+    calls = []
+
+    def fake_measure(url, prompts, conc, max_new_tokens=256):
+        calls.append((conc, len(prompts), max_new_tokens))
+        return {"output_tokens_per_s": 100.0 * conc + len(calls)}
+
+    monkeypatch.setattr(online, "measure", fake_measure)
+    monkeypatch.setattr(online, "flush", lambda url: calls.append("flush"))
+    monkeypatch.setattr(online, "server_accept_length", lambda url: None)
+    by_conc = {1: list(range(8)), 8: list(range(32))}
+    out = online.measure_server("http://x", by_conc, 256, rounds=2, warmup=[0, 1])
+    assert calls == [(1, 2, 16),  # the server's warm-up
+                     (1, 1, online.WARM_TOKENS), "flush", (1, 8, 256), "flush", (1, 8, 256),
+                     (8, 8, online.WARM_TOKENS), "flush", (8, 32, 256), "flush", (8, 32, 256)]
+    # the warm passes' speeds are not among the rounds
+    assert [r["output_tokens_per_s"] for r in out[8]["rounds"]] == [100.0 * 8 + 9, 100.0 * 8 + 11]
+    assert out[1]["warm_seconds"] >= 0 and len(out[1]["rounds"]) == 2
+
+
 def test_summarize_speedup_and_breakeven():
     plain = _measured([90.0, 100.0, 130.0])
     spec = _measured([140.0, 150.0, 400.0], accepts=[2.0, 2.6, None])
