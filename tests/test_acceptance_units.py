@@ -524,6 +524,28 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     assert m["doctor_verified_families"] == "" and m["doctor_target_model_type"] == "llama"  # no proof ran
 
 
+def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(tmp_path):
+    """The best setting is chosen among main, the sweep and the trees by speedup at batch 1 (a faster control does not
+    count: it is not a drafter to serve), named with its (steps, topk, draft tokens); each setting's rounds give its
+    spread."""
+    from eagle3kit.acceptance import experiment
+
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", controls={"engine": "e"}, sweep_steps=(1, 3, 7),
+                                 trees=((5, 4, 8),), variants={}, concurrencies=(1,))
+    srv = {"plain": _measured([100.0, 100.0]), "main": _measured([90.0, 92.0], [2.4, 2.4]),
+           "steps1": _measured([60.0, 60.0], [1.5, 1.5]), "steps7": _measured([110.0, 120.0], [2.6, 2.6]),
+           "tree5x4x8": _measured([118.0, 119.0], [2.75, 2.75]), "engine": _measured([200.0, 200.0], [3.0, 3.0]),
+           "offbyone": _measured([80.0, 80.0], [1.9, 1.9])}
+    settings = {"main": [3, 1, 4], "steps1": [1, 1, 2], "steps7": [7, 1, 8], "tree5x4x8": [5, 4, 8], "engine": [3, 1, 4]}
+    results = {"servers": {k: {"by_concurrency": v, "setting": settings.get(k)} for k, v in srv.items()}}
+    m = experiment.summarize(plan, results, {}, {})
+    assert m["online_best_setting"] == "tree5x4x8 (5,4,8)"
+    assert m["online_best_speedup"] == pytest.approx(1.185) and m["online_best_accept_length"] == 2.75
+    assert m["steps7_tokens_per_s_spread"] == pytest.approx(10 / 115) and m["steps1_tokens_per_s_spread"] == 0.0
+    results["servers"]["steps7"]["by_concurrency"] = _measured([130.0, 130.0], [2.6, 2.6])
+    assert experiment.summarize(plan, results, {}, {})["online_best_setting"] == "steps7 (7,1,8)"
+
+
 @pytest.mark.parametrize("target,family", [("embedded:smollm2", "llama"), ("embedded:deepseek-v3-tiny", "deepseek")])
 def test_the_verified_family_is_the_rule_sglang_applied_to_the_served_target(target, family):
     """doctor_verified_families names the layer-id rule of the target that was served (Llama's, or DeepSeek/Kimi's

@@ -14,7 +14,8 @@ from pathlib import Path
 
 COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage", "train_loss", "train_ttt_steps",
            "train_lm_head", "train_samples", "train_tokens", "train_acc_pos0", "baseline_acc_pos0", "offline_tau",
-           "offline_walk_accept_length", "online_accept_length", "online_speedup", "breakeven_accept_length", "negative_control_accept_length",
+           "offline_walk_accept_length", "online_accept_length", "online_speedup", "breakeven_accept_length",
+           "online_best_setting", "online_best_speedup", "negative_control_accept_length",
            "engine_control_accept_length", "fp8_accept_rel_diff"]
 
 

@@ -105,8 +105,8 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
             full = name in ("plain", "main")
             conc = by_conc if full else {1: by_conc[1]}
             t1 = time.time()
-            m = online.measure_server(srv.url, conc, plan.max_new_tokens, warmup=prompts[:2],
-                                      rounds=plan.rounds if full or _variant_of(name) else 1)
+            # every setting's speed is a ratio users act on: each gets the same rounds as plain (batch 1 only: cheap)
+            m = online.measure_server(srv.url, conc, plan.max_new_tokens, warmup=prompts[:2], rounds=plan.rounds)
             results["servers"].setdefault(name, {}).update(
                 setting=[s.steps, s.topk, s.draft_tokens] if s.drafter else None, drafter=s.drafter, by_concurrency=m)
             b1 = m[1]
@@ -219,6 +219,25 @@ def _accept(results: dict, name: str, conc: int = 1):
     return statistics.fmean(acc) if acc else None
 
 
+def _best_setting(results: dict, m: dict, serving) -> dict:
+    """The serving setting (main, a chain of the sweep or a tree; not the controls) with the highest speedup at batch 1
+    against the same run's plain server: what to serve with, named with its (steps, topk, draft tokens)."""
+    best = None
+    for name, r in results["servers"].items():
+        key = "online" if name == "main" else name
+        if not (name == "main" or name.startswith(("steps", "tree"))) or f"{key}_speedup" not in m:
+            continue
+        setting = r.get("setting") or list(serving)
+        if best is None or m[f"{key}_speedup"] > best[0]:
+            best = (m[f"{key}_speedup"], f"{name} ({','.join(map(str, setting))})", m.get(f"{key}_accept_length"))
+    if best is None:
+        return {}
+    out = {"online_best_speedup": best[0], "online_best_setting": best[1]}
+    if best[2] is not None:
+        out["online_best_accept_length"] = best[2]
+    return out
+
+
 def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> dict:
     """Flat metrics of the online experiment. ``offline``: name -> offline metrics (``offline_tau_{n}``) of that
     drafter on the held-out split ("main" and the controls)."""
@@ -279,6 +298,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if a is not None:
             m[f"{key}_accept_length"] = a
         tps = r["by_concurrency"][1]["output_tokens_per_s_median"]
+        per_round = [x["output_tokens_per_s"] for x in r["by_concurrency"][1]["rounds"]]
+        m[f"{key}_tokens_per_s_spread"] = (max(per_round) - min(per_round)) / tps if tps else 0.0
         if plain1:
             m[f"{key}_speedup"] = tps / plain1
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
@@ -296,6 +317,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
     if f"steps{s}_accept_length" not in m and "online_accept_length" in m:
         m[f"steps{s}_accept_length"] = m["online_accept_length"]
         m[f"steps{s}_speedup"] = m.get("online_speedup", 0.0)
+    m.update(_best_setting(results, m, plan.serving))
     for name, p in proofs.items():
         pre = "" if name == "proof" else f"{name}_"
         for k, v in p.items():
