@@ -457,7 +457,7 @@ def _measured(tps, accepts=None):
 
 
 def test_measure_server_warms_each_concurrency_before_its_timed_rounds(monkeypatch):
-    """An EAGLE server's first batch of a new size is slow (records gpu-drafter-pipeline-3 and -6: 37-47 %), so each
+    """An EAGLE server's first batch of a new size is slow (records gpu-drafter-pipeline-3 and -6: 37-38 %), so each
     concurrency gets one untimed pass first and the rounds time only the warm server."""
     calls = []
 

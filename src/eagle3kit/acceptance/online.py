@@ -153,8 +153,8 @@ def measure_server(url: str, prompts_by_conc: dict, max_new_tokens: int, rounds:
     """Every concurrency ``rounds`` times from a flushed server; per concurrency the rounds, median and spread.
 
     Each concurrency is first run once untimed (its first ``concurrency`` prompts, ``WARM_TOKENS`` new tokens each):
-    an EAGLE server's first batch of a new size ran 37-47 % slower than the rounds after it (records
-    gpu-drafter-pipeline-3 and -6, concurrency 8 and 32), which timed the server's warm-up, not its speed."""
+    an EAGLE server's first batch of a new size ran 37-38 % slower than the rounds after it (record
+    gpu-drafter-pipeline-3 at concurrency 8, -6 at 8 and 32), which timed the server's warm-up, not its speed."""
     if warmup:
         measure(url, warmup, 1, 16)
     out = {}
