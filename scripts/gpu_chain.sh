@@ -24,8 +24,9 @@
 # fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash
 # scripts/gpu_poll.sh >/dev/null; done; tail -3 /root/chain.log` with timeout_s 590: the machine is held while a
 # call runs, and what the last poll left in $OUT comes back even when the budget ends the call. The data phase at
-# 420 s with 2.2 min of replies (7,273 samples) was cut in 03's checks after its capture: give it 480 s. Never stop a phase's `timeout` with SIGSTOP to give
-# it more time: on SIGCONT its pending alarm still interrupts the phase (2026-12-01: 03's checks after the capture).
+# 420 s with 2.2 min of replies (7,273 samples) was cut in 03's checks after its capture: give it 480 s.
+# Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
+# phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
 # by its pid; never `pkill -f` a pattern that the stopping command itself contains: the device agent runs that command
 # line, matched itself, and the machine was replaced with SGLang's install lost (2026-12-01).

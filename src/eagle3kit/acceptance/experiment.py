@@ -106,7 +106,7 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
             conc = by_conc if full else {1: by_conc[1]}
             t1 = time.time()
             # every setting's speed is a ratio users act on: each gets the same rounds as plain (batch 1 only: cheap)
-            m = online.measure_server(srv.url, conc, plan.max_new_tokens, warmup=prompts[:2], rounds=plan.rounds)
+            m = online.measure_server(srv.url, conc, plan.max_new_tokens, rounds=plan.rounds)
             results["servers"].setdefault(name, {}).update(
                 setting=[s.steps, s.topk, s.draft_tokens] if s.drafter else None, drafter=s.drafter, by_concurrency=m)
             b1 = m[1]
@@ -261,8 +261,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                 rounds = srv[who]["by_concurrency"][conc]["rounds"]
                 for i, r in enumerate(rounds):
                     m[f"{who}_tokens_per_s{sfx}_round{i}"] = r["output_tokens_per_s"]
-                tps = [r["output_tokens_per_s"] for r in rounds]
-                m[f"{who}_tokens_per_s{sfx}_spread"] = (max(tps) - min(tps)) / statistics.median(tps) if tps else 0.0
+                m[f"{who}_tokens_per_s{sfx}_spread"] = online.spread(srv[who]["by_concurrency"][conc])
             if conc == 1 and sm.get("breakeven_accept_length"):
                 m["breakeven_accept_length"] = sm["breakeven_accept_length"]
         r1 = srv["main"]["by_concurrency"][1]["rounds"]
@@ -298,8 +297,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if a is not None:
             m[f"{key}_accept_length"] = a
         tps = r["by_concurrency"][1]["output_tokens_per_s_median"]
-        per_round = [x["output_tokens_per_s"] for x in r["by_concurrency"][1]["rounds"]]
-        m[f"{key}_tokens_per_s_spread"] = (max(per_round) - min(per_round)) / tps if tps else 0.0
+        m[f"{key}_tokens_per_s_spread"] = online.spread(r["by_concurrency"][1])
         if plain1:
             m[f"{key}_speedup"] = tps / plain1
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)

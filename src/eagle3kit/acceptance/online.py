@@ -149,14 +149,12 @@ def server_accept_length(url: str) -> float | None:
 WARM_TOKENS = 32  # new tokens per request of a concurrency's untimed warm pass
 
 
-def measure_server(url: str, prompts_by_conc: dict, max_new_tokens: int, rounds: int = 1, warmup=None) -> dict:
+def measure_server(url: str, prompts_by_conc: dict, max_new_tokens: int, rounds: int = 1) -> dict:
     """Every concurrency ``rounds`` times from a flushed server; per concurrency the rounds, median and spread.
 
     Each concurrency is first run once untimed (its first ``concurrency`` prompts, ``WARM_TOKENS`` new tokens each):
     an EAGLE server's first batch of a new size ran 37-38 % slower than the rounds after it (record
     gpu-drafter-pipeline-3 at concurrency 8, -6 at 8 and 32), which timed the server's warm-up, not its speed."""
-    if warmup:
-        measure(url, warmup, 1, 16)
     out = {}
     for conc, prompts in prompts_by_conc.items():
         t0 = time.perf_counter()
@@ -172,6 +170,12 @@ def measure_server(url: str, prompts_by_conc: dict, max_new_tokens: int, rounds:
         out[conc] = {"rounds": rows, "warm_seconds": warm_s, "output_tokens_per_s_median": statistics.median(tps),
                      "output_tokens_per_s_min": min(tps), "output_tokens_per_s_max": max(tps)}
     return out
+
+
+def spread(measured: dict) -> float:
+    """(fastest - slowest round) / median of one concurrency's rounds, as measure_server gives them."""
+    med = measured["output_tokens_per_s_median"]
+    return (measured["output_tokens_per_s_max"] - measured["output_tokens_per_s_min"]) / med if med else 0.0
 
 
 def summarize(plain: dict, spec: dict, conc: int) -> dict:
