@@ -73,7 +73,10 @@ drafter_phase() {  # $1 phase, $2 record folder
       for f in "$D"/sglang-regenerate-*.log; do [ -f "$f" ] && cp "$f" "$rec/" && gzip -f "$rec/$(basename "$f")"; done  # its helpers
       df -h /root > "$rec/disk.txt"; du -sh "$W"/* >> "$rec/disk.txt" 2>/dev/null ;;
     train)
+      # /root/e3k-train-minutes, when present, overrides E3K_TRAIN_MINUTES: a poll during the data phase can fit the
+      # training to the device budget that is really left (the install's length varies) without restarting the chain
       local mins=${E3K_TRAIN_MINUTES:-6} sets
+      [ -s /root/e3k-train-minutes ] && mins=$(cat /root/e3k-train-minutes) && echo "train minutes from /root/e3k-train-minutes: $mins"
       sets=$(python3 -c "import yaml; s=yaml.safe_load(open('$P'))['notebooks']['04_train']; print(' '.join(f'--set {k}={v}' for k, v in s.items()))")
       python3 -m eagle3kit.cli run $P --only 04_train --run-dir "$R" --set 04_train.max_minutes=$mins ${E3K_TRAIN_SETS:-} > "$rec/run-04.log" 2>&1 & pids+=($!)
       for c in $CONTROLS; do
