@@ -13,18 +13,21 @@
 # its KV pool after: "Loaded weights leave no GPU memory for the KV cache", seen 2026-12-01), hence the delays and the
 # family's 0.5. seconds: the limit of each long command in the group; a command cut by it still leaves what it wrote
 # to its phase's archive. Two chains may run side by side as lanes, each cleaning up only its own phases' servers
-# (log to /root/chain-<lane>.log). The default is what the open issues' records still lack after 2026-12-01 (twelfth
-# session), for one GPU and a 30-minute budget less the install (~3 min): the drafter's data with three regeneration
-# servers (E3K_DATA_SETS="--set 03_extract.regenerate_minutes=2.2 --set 03_extract.final_normed=false",
-# E3K_MAX_SAMPLES=12000, E3K_DATA_CONTROLS="" E3K_CONTROLS=""; the servers' start, ~2.5 min, comes on top), the training
-# alone with flex attention (E3K_TRAIN_MINUTES=7), then serve (E3K_SERVE_SETS="--set 05_acceptance.variants={}").
+# (log to /root/chain-<lane>.log). The default is the drafter pipeline for one GPU and a 30-minute budget less the
+# install (~4 min with the machine's start): the data with three regeneration servers (E3K_DATA_SETS="--set
+# 03_extract.regenerate_minutes=2.2 --set 03_extract.final_normed=false", E3K_MAX_SAMPLES=11000, E3K_DATA_CONTROLS=""
+# E3K_CONTROLS=""; the servers' start, ~2.5 min, comes on top), the training alone with flex attention
+# (E3K_TRAIN_MINUTES=8, or what /root/e3k-train-minutes says when the phase starts: write it from a poll once the data
+# phase's end and the budget left are known), then serve. Measured 2026-12-01 (gpu-drafter-pipeline-7): data 503 s and
+# still cut at 482 s in 03's reference spot check (8,390 samples; capture 32 s, verify 27 s), give it 540; training of
+# 9 min, 576 s; serve with 11 servers (a flashinfer variant's two among them) 209 s to start them, cut at 420 s during
+# the proof: without the variant (9 servers, ~110 s) and 16 prompts at batch 1, give it 450.
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first.
 # Poll back to back: the machine is taken back ~30 s after a call returns, chain and data with it (2026-12-01: a
 # poll started late lost a training at 52 % and the serve phase; later a transient error on the caller's side lost a
 # fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash
 # scripts/gpu_poll.sh >/dev/null; done; tail -3 /root/chain.log` with timeout_s 590: the machine is held while a
-# call runs, and what the last poll left in $OUT comes back even when the budget ends the call. The data phase at
-# 420 s with 2.2 min of replies (7,273 samples) was cut in 03's checks after its capture: give it 480 s.
+# call runs, and what the last poll left in $OUT comes back even when the budget ends the call.
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
@@ -47,7 +50,7 @@ kill_servers_of() {  # only this phase's SGLang processes: another chain (a seco
     tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$1" && kill -9 "$p" 2>/dev/null
   done
 }
-CHAIN=${E3K_CHAIN:-"data:480 train:540 serve:420"}
+CHAIN=${E3K_CHAIN:-"data:540 train:540 serve:450"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   group=${item%%:*} limit=${item#*:}

@@ -91,6 +91,10 @@ drafter_phase() {  # $1 phase, $2 record folder
       ctrl="${ctrl%, }}"; runs="$runs]"
       $stop python3 -m eagle3kit.cli run $P --only 05_acceptance 06_compare --run-dir "$R" --set "05_acceptance.controls=$ctrl" \
         --set "06_compare.runs=$runs" ${E3K_SERVE_SETS:-} > "$rec/run-05.log" 2>&1 || rc=1
+      # cut by the phase's limit: the servers measured so far into 05's metrics (online_partial; the notebook does this
+      # too when its kernel sees the interrupt, and a complete summary is never overwritten)
+      [ $rc = 0 ] || python3 -c "import sys; from eagle3kit.acceptance.experiment import record_partial as r; print('partial:', sorted(r(sys.argv[1])))" \
+        "$R/05_acceptance" >> "$rec/run-05.log" 2>&1
       python3 - "$R" "$rec" <<'PY'
 import json, sys, pathlib
 r, rec = map(pathlib.Path, sys.argv[1:])

@@ -545,6 +545,56 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
     assert experiment.summarize(plan, results, {}, {})["online_best_setting"] == "steps7 (7,1,8)"
 
 
+def test_an_interrupted_online_run_keeps_the_servers_measured_before_it(tmp_path, monkeypatch):
+    """A serve phase cut by its time limit (record gpu-drafter-pipeline-7: 10 of 11 servers measured, then the
+    interrupt, and no figure but the log's) keeps every server measured so far in partial.json; record_partial turns
+    them into the step's metrics (marked partial, without the proof) and leaves a complete summary alone."""
+    from eagle3kit.acceptance import experiment
+
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(1, 3), trees=(), offbyone=False,
+                                 proof=False, concurrencies=(1,))
+    speeds = {"plain": ([100.0, 110.0], None), "main": ([150.0, 160.0], [2.5, 2.7]), "steps1": ([80.0, 80.0], [1.6, 1.6])}
+
+    class Srv:
+        url, stopped = "http://x", 0
+
+        def stop(self):
+            Srv.stopped += 1
+
+    monkeypatch.setattr(online, "start_servers", lambda *a, **k: {"servers": {n: Srv() for n in speeds}, "failed": {}})
+    measured = []
+
+    def fake_measure_server(url, conc, max_new_tokens, rounds):
+        if len(measured) == 2:
+            raise KeyboardInterrupt  # the phase's time limit, while the third server is measured
+        name = list(speeds)[len(measured)]
+        measured.append(name)
+        tps, acc = speeds[name]
+        m = _measured(tps, acc)
+        for r in m[1]["rounds"]:
+            r["_outputs"] = [[1, 2, 3]]
+        return m
+
+    monkeypatch.setattr(online, "measure_server", fake_measure_server)
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run(plan, [[1, 2]] * 16, tmp_path / "online", log=lambda *_: None)
+    assert Srv.stopped == 3  # every server stopped all the same
+    saved = json.loads((tmp_path / "online" / experiment.PARTIAL).read_text())
+    assert sorted(saved["results"]["servers"]) == ["main", "plain"] and "_outputs" not in json.dumps(saved)
+    (tmp_path / "metrics.json").write_text(json.dumps({"offline_tau_3": 3.0, "offline_walk_accept_length_3": 2.6}))
+    m = experiment.record_partial(tmp_path)
+    assert m["online_partial"] is True and m["online_servers_measured"] == 2 and m["online_servers_planned"] == 3
+    assert m["online_speedup"] == pytest.approx(155.0 / 105.0) and m["online_accept_length"] == pytest.approx(2.6)
+    assert m["offline_walk_online_rel_gap"] == pytest.approx(0.0) and "export_params_unloaded" not in m
+    assert "online_required_servers_failed" not in m  # the mark of a complete summary, which this is not
+    assert json.loads((tmp_path / "metrics.json").read_text())["online_speedup"] == m["online_speedup"]
+    # the notebook's complete summary is never overwritten by a partial one
+    (tmp_path / "metrics.json").write_text(json.dumps({"online_required_servers_failed": 0, "online_speedup": 1.0}))
+    assert experiment.record_partial(tmp_path) == {}
+    assert json.loads((tmp_path / "metrics.json").read_text())["online_speedup"] == 1.0
+    assert experiment.record_partial(tmp_path / "elsewhere") == {}  # no online run there: nothing to record
+
+
 @pytest.mark.parametrize("target,family", [("embedded:smollm2", "llama"), ("embedded:deepseek-v3-tiny", "deepseek")])
 def test_the_verified_family_is_the_rule_sglang_applied_to_the_served_target(target, family):
     """doctor_verified_families names the layer-id rule of the target that was served (Llama's, or DeepSeek/Kimi's

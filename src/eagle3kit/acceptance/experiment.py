@@ -14,13 +14,16 @@ Servers (all started at once, measured one at a time; see ``online.shared_gpu_ar
 """
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3kit.acceptance import online
+
+PARTIAL = "partial.json"  # in run()'s work folder: the plan and every server measured so far
 
 
 @dataclass
@@ -113,6 +116,7 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
             acc = [r["accept_length"] for r in b1["rounds"] if "accept_length" in r]
             log(f"{name:>14}: conc 1 {b1['output_tokens_per_s_median']:8.1f} tok/s"
                 + (f", accept {statistics.fmean(acc):.3f}" if acc else "") + f" ({time.time() - t1:.0f} s)")
+            _save_partial(work, plan, results)  # an interrupted run keeps every server measured so far
     finally:
         for srv in servers.values():
             srv.stop()
@@ -122,6 +126,63 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
             for rr in m["rounds"]:
                 rr.pop("_outputs", None)
     return results
+
+
+def _save_partial(work: Path, plan: OnlinePlan, results: dict) -> None:
+    """The plan and the results so far (replies left out), written atomically: ``record_partial`` reads them."""
+    kept = copy.deepcopy({k: v for k, v in results.items() if k != "servers"})
+    kept["servers"] = {name: {k: v for k, v in r.items() if k != "by_concurrency"} for name, r in results["servers"].items()}
+    for name, r in results["servers"].items():
+        if "by_concurrency" in r:
+            kept["servers"][name]["by_concurrency"] = {
+                c: {**m, "rounds": [{k: v for k, v in rr.items() if k != "_outputs"} for rr in m["rounds"]]}
+                for c, m in r["by_concurrency"].items()}
+    tmp = work / f".{PARTIAL}.tmp"
+    tmp.write_text(json.dumps({"plan": asdict(plan), "results": kept}, indent=1, default=str))
+    tmp.replace(work / PARTIAL)
+
+
+def load_partial(work) -> tuple[OnlinePlan, dict] | None:
+    """(plan, results) as ``_save_partial`` left them (JSON's string keys back to concurrencies), or None."""
+    p = Path(work) / PARTIAL
+    if not p.exists():
+        return None
+    saved = json.loads(p.read_text())
+    plan = OnlinePlan(**saved["plan"])
+    plan.serving = tuple(plan.serving)
+    plan.prompts_per_conc = {int(k): v for k, v in plan.prompts_per_conc.items()}
+    results = saved["results"]
+    for r in results["servers"].values():
+        if "by_concurrency" in r:
+            r["by_concurrency"] = {int(c): m for c, m in r["by_concurrency"].items()}
+    return plan, results
+
+
+def record_partial(step) -> dict:
+    """After an interrupted online run (a time limit, Ctrl-C): the figures of every server measured before it, merged
+    into the step's ``metrics.json`` with ``online_partial`` true and ``online_servers_measured``; the proof and the
+    doctor's check come after the measurements, so their keys are absent. Nothing is recorded when the notebook
+    already recorded the complete summary (``online_required_servers_failed`` present) or nothing was measured.
+    Offline figures: those the step recorded before the online part (notebook 05's first cells)."""
+    from eagle3kit.metrics import update_json
+
+    step = Path(step)
+    loaded = load_partial(step / "online")
+    mfile = step / "metrics.json"
+    recorded = json.loads(mfile.read_text()) if mfile.exists() else {}
+    if loaded is None or "online_required_servers_failed" in recorded:
+        return {}
+    plan, results = loaded
+    measured = [n for n, r in results["servers"].items() if "by_concurrency" in r]
+    if not measured:
+        return {}
+    m = summarize(plan, results, {}, {"main": recorded})
+    for k in ("online_servers_failed", "online_required_servers_failed"):  # the summary's mark of a complete run
+        m.pop(k, None)
+    m.update(online_partial=True, online_servers_measured=len(measured),
+             online_servers_planned=len(servings(plan, step / "online")))
+    update_json(mfile, m)
+    return m
 
 
 REQUIRED = ("plain", "main", "proof", "offbyone")  # without them the experiment shows nothing
