@@ -49,13 +49,12 @@ def test_trained_drafter_served_by_sglang(tmp_path, target_path):
     assert m["online_accept_length"] >= 1.0 and m["plain_tokens_per_s"] > 0
 
 
-def test_flex_attention_trains_as_the_dense_attention(tmp_path, target_path):
-    """The GPU default (block-sparse flex attention, compiled) gives the dense SDPA path's loss, gradients and logits
-    on real packed batches (bf16 autocast), and the comparison can fail (the samples of a row merged into one)."""
+def _real_batches(tmp_path, target_path, **cfg):
+    """A run set up on CUDA over 24 conversations captured on CUDA (bf16), its first two packed batches of several
+    samples each, and ``grads(batch)``: (loss, gradients) of one TTT forward and backward (5 steps)."""
     import torch
 
     from eagle3kit.drafter import data as D
-    from eagle3kit.drafter import flex
     from eagle3kit.drafter.train import TrainConfig, forward_batch, setup
     from eagle3kit.drafter.ttt import TTTModule
     from eagle3kit.pipeline import run_extraction
@@ -64,37 +63,83 @@ def test_flex_attention_trains_as_the_dense_attention(tmp_path, target_path):
     run_extraction(target=str(target_path), out_dir=data, engine="transformers", max_samples=24, max_tokens=512,
                    heldout_percent=0, reference_device="cuda", reference_dtype="bfloat16", progress=False)
     run = setup(TrainConfig(data=str(data), out_dir=str(tmp_path / "t"), draft_vocab_size=4096, ttt_steps=5,
-                            tokens_per_batch=2048, workers=0, progress=False, device="cuda"))
-    assert flex.uses_flex(run.model) and run.extra["attention"] == "flex"  # the GPU default, its probe passed
-    src, tl = run.train_src, run.model.config.transformer_layer_config
+                            tokens_per_batch=2048, workers=0, progress=False, device="cuda", **cfg))
+    src = run.train_src
     batches = D.plan([src.length(i) for i in range(len(src))], 2048, 0)[:2]
+    loaded = [b for _, b, _ in D.loader(src, batches, run.info.n_states, run.info.hidden_size, 2048, workers=0)]
+    assert all(b["doc_ids"].unique().numel() >= 2 for b in loaded)  # rows of several samples: boundaries matter
     params = [p for p in run.model.parameters() if p.requires_grad]
     module = TTTModule(run.model)
 
-    def grads(b, impl):
+    def grads(b):
+        run.model.zero_grad(set_to_none=True)
+        loss, _ = forward_batch(run, module, b, 5)
+        loss.backward()
+        return loss.item(), [p.grad.float().clone() for p in params]
+
+    def merged(b):  # the samples of a row merged into one: what a wrong mask computes
+        return {**b, "doc_ids": torch.zeros_like(b["doc_ids"])}
+
+    return run, loaded, grads, merged
+
+
+def _rel(a, c) -> float:
+    """The worst parameter's relative gradient difference."""
+    return max(float((x - y).norm() / y.norm().clamp_min(1e-12)) for x, y in zip(a, c))
+
+
+def test_flex_attention_trains_as_the_dense_attention(tmp_path, target_path):
+    """The GPU default (block-sparse flex attention, compiled) gives the dense SDPA path's loss, gradients and logits
+    on real packed batches (bf16 autocast), and the comparison can fail (the samples of a row merged into one)."""
+    from eagle3kit.drafter import flex
+
+    run, loaded, grads, merged = _real_batches(tmp_path, target_path)
+    assert flex.uses_flex(run.model) and run.extra["attention"] == "flex"  # the GPU default, its probe passed
+    tl = run.model.config.transformer_layer_config
+
+    def with_impl(b, impl):
         tl._attn_implementation = impl
         try:
-            run.model.zero_grad(set_to_none=True)
-            loss, _ = forward_batch(run, module, b, 5)
-            loss.backward()
-            return loss.item(), [p.grad.float().clone() for p in params]
+            return grads(b)
         finally:
             tl._attn_implementation = flex.IMPL
 
     report = {}
-    for i, (_, b, _) in enumerate(D.loader(src, batches, run.info.n_states, run.info.hidden_size, 2048, workers=0)):
-        assert b["doc_ids"].unique().numel() >= 2  # rows of several samples: the masks' boundaries matter
-        ls, gs = grads(b, "sdpa")
-        lf, gf = grads(b, flex.IMPL)
-        merged = {**b, "doc_ids": torch.zeros_like(b["doc_ids"])}
-        lm, gm = grads(merged, flex.IMPL)
-
-        def rel(a, c):
-            return max(float((x - y).norm() / y.norm().clamp_min(1e-12)) for x, y in zip(a, c))
-        report[i] = {"loss_sdpa": ls, "loss_flex": lf, "loss_merged": lm, "grad_rel_flex": rel(gf, gs),
-                     "grad_rel_merged": rel(gm, gs)}
+    for i, b in enumerate(loaded):
+        ls, gs = with_impl(b, "sdpa")
+        lf, gf = with_impl(b, flex.IMPL)
+        lm, gm = with_impl(merged(b), flex.IMPL)
+        report[i] = {"loss_sdpa": ls, "loss_flex": lf, "loss_merged": lm, "grad_rel_flex": _rel(gf, gs),
+                     "grad_rel_merged": _rel(gm, gs)}
         assert abs(lf - ls) / ls < 5e-3, report[i]
         assert report[i]["grad_rel_flex"] < 0.05, report[i]
         assert report[i]["grad_rel_merged"] > 4 * report[i]["grad_rel_flex"], report[i]  # the check can fail
     out = Path(os.environ.get("E3K_TEST_OUT", tmp_path)) / "gpu-flex-test.json"
+    out.write_text(json.dumps(report, indent=1))
+
+
+def test_compiled_layers_train_as_the_eager_layers(tmp_path, target_path):
+    """compile_layers on the GPU (inductor, flex attention inside): the compiled layers give the eager layers' loss
+    and gradients on real packed batches (bf16 autocast), and the comparison can fail (a row's samples merged)."""
+    run, loaded, grads, merged = _real_batches(tmp_path, target_path, compile_layers=True)
+    assert run.extra["compiled"], "the compile's trial step failed (see the run's output)"
+    layers = list(run.model.layers)
+    report = {}
+    for i, b in enumerate(loaded):
+        lc, gc = grads(b)
+        compiled = [layer._compiled_call_impl for layer in layers]  # noqa: SLF001 - what nn.Module.compile set
+        for layer in layers:
+            layer._compiled_call_impl = None  # noqa: SLF001 - eager for the reference
+        try:
+            le, ge = grads(b)
+            lm, gm = grads(merged(b))
+        finally:
+            for layer, c in zip(layers, compiled):
+                layer._compiled_call_impl = c  # noqa: SLF001
+        report[i] = {"loss_compiled": lc, "loss_eager": le, "loss_merged": lm, "grad_rel_compiled": _rel(gc, ge),
+                     "grad_rel_merged": _rel(gm, ge)}
+        assert abs(lc - le) / le < 5e-3, report[i]
+        assert report[i]["grad_rel_compiled"] < 0.05, report[i]
+        assert report[i]["grad_rel_merged"] > 4 * report[i]["grad_rel_compiled"], report[i]  # the check can fail
+    out = Path(os.environ.get("E3K_TEST_OUT", tmp_path)) / "gpu-compiled-layers-test.json"
     out.write_text(json.dumps(report, indent=1))

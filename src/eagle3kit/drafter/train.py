@@ -33,7 +33,9 @@ from eagle3kit.drafter.objective import (LOSSES, ChainCounts, chain_count_tensor
                                          valid_rows)
 
 # settings that may differ on a resume (out_dir: a run folder moved or renamed resumes)
-RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "attention", "eval_every", "max_minutes", "out_dir"}
+RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "attention", "eval_every", "max_minutes", "out_dir",
+                     "compile_layers"}
+COMPILE_BACKEND = "inductor"  # of compile_layers (tests on a CPU use "aot_eager": the same graphs, no code generation)
 
 
 class TrainError(ValueError):
@@ -89,6 +91,8 @@ class TrainConfig:
     workers: int = 2
     device: str = "auto"
     attention: str = "auto"  # sdpa (dense masks), flex (block-sparse, compiled: GPUs) or auto (flex on a GPU)
+    compile_layers: bool = False  # torch.compile each draft decoder layer (fused kernels, fewer launches: the H200's
+    # step was bound by the host's ~1,700 launches a step); falls back to eager, and says so, if its trial step fails
     progress: bool = True
     max_minutes: float = 0.0  # wall-clock budget of this invocation; 0: none (stops after an evaluation and a save)
     fit_schedule: bool = False  # with max_minutes: after FIT_AFTER steps, cut the planned steps to what fits in the
@@ -268,33 +272,63 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     attention = "flex" if sparse else "sdpa"
     if sparse and cfg.attention == "auto":
         attention = _probe_flex(cfg, model, device, len(aux) * tinfo.hidden_size)
+    compiled = cfg.compile_layers and _compile_layers(cfg, model, device, len(aux) * tinfo.hidden_size)
     return Run(cfg, dist, device, train_src, heldout_src, info, target, vocab, freq, model, head,
                vocab.target_to_draft().to(device), vocab.ids.to(device), int(torch.argmax(freq)),
                extra={"aux_layer_ids": aux, "num_layers": tinfo.num_layers, "model_type": tinfo.model_type,
-                      "attention": attention})
+                      "attention": attention, "compiled": bool(compiled)})
 
 
 def _probe_flex(cfg: TrainConfig, model, device, aux_width: int) -> str:
     """attention=auto on a GPU: one forward and backward of the flex path at the run's shapes (which also compiles
     its kernel, as the first step would). If it fails (e.g. a PyTorch or Triton without flex support), the run falls
     back to dense SDPA (same network, slower) and says so, rather than losing the budget; attention=flex fails."""
-    from eagle3kit.drafter.ttt import draft_steps
-
-    n = cfg.tokens_per_batch * cfg.rows_per_batch
     try:
-        with _autocast(device):
-            out = draft_steps(model, torch.zeros(n, aux_width, device=device), torch.zeros(n, dtype=torch.long,
-                              device=device), torch.zeros(n, dtype=torch.long, device=device),
-                              torch.arange(n, device=device) % cfg.tokens_per_batch, cfg.ttt_steps,
-                              cfg.rows_per_batch, cfg.tokens_per_batch)
-            loss = sum(x.float().mean() for x in out)
-        loss.backward()
+        _trial_step(cfg, model, device, aux_width)
         return "flex"
     except Exception as e:  # noqa: BLE001 - reported; the dense path trains the same network
         model.config.transformer_layer_config._attn_implementation = "sdpa"
         print(f"[train] flex attention failed on {device} ({type(e).__name__}: {str(e)[:300]}); training with dense "
               f"SDPA attention instead (same network, slower). attention=sdpa skips this probe", flush=True)
         return "sdpa"
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def _trial_step(cfg: TrainConfig, model, device, aux_width: int) -> None:
+    """One TTT forward and backward of ``model`` at the run's shapes (gradients left for the caller to clear)."""
+    from eagle3kit.drafter.ttt import draft_steps
+
+    n = cfg.tokens_per_batch * cfg.rows_per_batch
+    with _autocast(device):
+        out = draft_steps(model, torch.zeros(n, aux_width, device=device), torch.zeros(n, dtype=torch.long,
+                          device=device), torch.zeros(n, dtype=torch.long, device=device),
+                          torch.arange(n, device=device) % cfg.tokens_per_batch, cfg.ttt_steps,
+                          cfg.rows_per_batch, cfg.tokens_per_batch)
+        loss = sum(x.float().mean() for x in out)
+    loss.backward()
+
+
+def _compile_layers(cfg: TrainConfig, model, device, aux_width: int) -> bool:
+    """compile_layers: each decoder layer compiled in place (``nn.Module.compile``: parameter names, checkpoints and
+    the export are unchanged), tried on one step at the run's shapes (which compiles it, as the first step would).
+    A failure leaves the layers eager and says so (the same network, slower) rather than losing the run. Each TTT
+    step of the layer holds a different number of keys so far (its own graph), training and evaluation differ in
+    grad mode: the recompile limit is raised to hold them all."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * cfg.ttt_steps)
+    for layer in model.layers:
+        layer.compile(dynamic=False, backend=COMPILE_BACKEND)
+    try:
+        _trial_step(cfg, model, device, aux_width)
+        return True
+    except Exception as e:  # noqa: BLE001 - reported; the eager layers train the same network
+        for layer in model.layers:
+            layer._compiled_call_impl = None  # noqa: SLF001 - what nn.Module.compile set
+        print(f"[train] compile_layers failed on {device} ({type(e).__name__}: {str(e)[:300]}); training with eager "
+              f"layers instead (same network, slower)", flush=True)
+        return False
     finally:
         model.zero_grad(set_to_none=True)
 
@@ -653,7 +687,8 @@ def _summary(run: Run, state: dict, lengths: list[int]) -> dict:
          "draft_vocab_coverage": run.vocab.coverage(run.freq), "heldout_samples": len(run.heldout_src or []),
          "best_step": best.get("step", 0), "train_total_steps_planned": state.get("planned_steps", 0),
          "train_total_steps_fitted": state.get("total_steps", 0) if state.get("fitted") else 0,
-         "train_stopped_early": bool(state.get("stopped_early")), "train_attention": run.extra.get("attention")}
+         "train_stopped_early": bool(state.get("stopped_early")), "train_attention": run.extra.get("attention"),
+         "train_compiled_layers": bool(run.extra.get("compiled"))}
     for k, v in best.items():
         if k.startswith("heldout_"):
             s[k] = v
