@@ -456,25 +456,35 @@ def _measured(tps, accepts=None):
                 "output_tokens_per_s_min": min(tps), "output_tokens_per_s_max": max(tps)}}
 
 
-def test_measure_server_warms_each_concurrency_before_its_timed_rounds(monkeypatch):
-    """An EAGLE server's first batch of a new size is slow (records gpu-drafter-pipeline-3 and -6: 37-38 %), so each
-    concurrency gets one untimed pass first and the rounds time only the warm server."""
-    calls = []
+def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
+    """Each server's concurrencies get one untimed pass first (an EAGLE server's first batch of a new size is slow:
+    records gpu-drafter-pipeline-3 and -6, 37-38 %), then round r times every server in turn, forward on even rounds
+    and backward on odd ones, so a drift during the run reaches each server alike (-7: batch-1 speed swung 2x within
+    one server's rounds). Warm speeds are not among the rounds; after each round the results so far are handed on."""
+    calls, seen = [], []
 
     def fake_measure(url, prompts, conc, max_new_tokens=256):
-        calls.append((conc, len(prompts), max_new_tokens))
-        return {"output_tokens_per_s": 100.0 * conc + len(calls)}
+        calls.append((url, conc, len(prompts), max_new_tokens))
+        return {"output_tokens_per_s": float(len(calls))}
 
     monkeypatch.setattr(online, "measure", fake_measure)
-    monkeypatch.setattr(online, "flush", lambda url: calls.append("flush"))
+    monkeypatch.setattr(online, "flush", lambda url: None)
     monkeypatch.setattr(online, "server_accept_length", lambda url: None)
-    by_conc = {1: list(range(8)), 8: list(range(32))}
-    out = online.measure_server("http://x", by_conc, 256, rounds=2)
-    assert calls == [(1, 1, online.WARM_TOKENS), "flush", (1, 8, 256), "flush", (1, 8, 256),
-                     (8, 8, online.WARM_TOKENS), "flush", (8, 32, 256), "flush", (8, 32, 256)]
-    # the warm passes' speeds are not among the rounds
-    assert [r["output_tokens_per_s"] for r in out[8]["rounds"]] == [100.0 * 8 + 8, 100.0 * 8 + 10]
-    assert out[1]["warm_seconds"] >= 0 and len(out[1]["rounds"]) == 2
+    servers = {"plain": ("P", {1: list(range(8)), 8: list(range(32))}), "main": ("M", {1: list(range(8))}),
+               "tree": ("T", {1: list(range(8))})}
+    out = online.measure_servers(servers, 256, rounds=3, after_round=lambda done: seen.append(
+        {n: len(m[1]["rounds"]) for n, m in done.items()}))
+    w = online.WARM_TOKENS
+    assert calls[:4] == [("P", 1, 1, w), ("P", 8, 8, w), ("M", 1, 1, w), ("T", 1, 1, w)]
+    assert all(n == 256 for *_, n in calls[4:])  # no warm pass among the rounds
+    timed = [(u, c) for u, c, _, _ in calls[4:]]
+    assert timed == [("P", 1), ("P", 8), ("M", 1), ("T", 1),   # round 0 forward
+                     ("T", 1), ("M", 1), ("P", 1), ("P", 8),   # round 1 backward
+                     ("P", 1), ("P", 8), ("M", 1), ("T", 1)]   # round 2 forward
+    assert [r["output_tokens_per_s"] for r in out["main"][1]["rounds"]] == [7.0, 10.0, 15.0]  # calls 7, 10, 15
+    assert out["plain"][8]["output_tokens_per_s_median"] == 12.0 and out["plain"][8]["warm_seconds"] >= 0
+    assert seen == [{"plain": 1, "main": 1, "tree": 1}, {"plain": 2, "main": 2, "tree": 2},
+                    {"plain": 3, "main": 3, "tree": 3}]
 
 
 def test_summarize_speedup_and_breakeven():
@@ -545,48 +555,53 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
     assert experiment.summarize(plan, results, {}, {})["online_best_setting"] == "steps7 (7,1,8)"
 
 
-def test_an_interrupted_online_run_keeps_the_servers_measured_before_it(tmp_path, monkeypatch):
+def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path, monkeypatch):
     """A serve phase cut by its time limit (record gpu-drafter-pipeline-7: 10 of 11 servers measured, then the
-    interrupt, and no figure but the log's) keeps every server measured so far in partial.json; record_partial turns
-    them into the step's metrics (marked partial, without the proof) and leaves a complete summary alone."""
+    interrupt, and no figure but the log's) keeps every whole round measured so far in partial.json; record_partial
+    turns them into the step's metrics (marked partial, without the proof) and leaves a complete summary alone."""
     from eagle3kit.acceptance import experiment
 
     plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(1, 3), trees=(), offbyone=False,
                                  proof=False, concurrencies=(1,))
-    speeds = {"plain": ([100.0, 110.0], None), "main": ([150.0, 160.0], [2.5, 2.7]), "steps1": ([80.0, 80.0], [1.6, 1.6])}
+    speed = {"P": (100.0, None), "M": (150.0, 2.5), "S": (80.0, 1.6)}
 
     class Srv:
-        url, stopped = "http://x", 0
+        stopped = 0
+
+        def __init__(self, url):
+            self.url = url
 
         def stop(self):
             Srv.stopped += 1
 
-    monkeypatch.setattr(online, "start_servers", lambda *a, **k: {"servers": {n: Srv() for n in speeds}, "failed": {}})
-    measured = []
+    monkeypatch.setattr(online, "start_servers", lambda *a, **k: {
+        "servers": {"plain": Srv("P"), "main": Srv("M"), "steps1": Srv("S")}, "failed": {}})
+    timed = []
 
-    def fake_measure_server(url, conc, max_new_tokens, rounds):
-        if len(measured) == 2:
-            raise KeyboardInterrupt  # the phase's time limit, while the third server is measured
-        name = list(speeds)[len(measured)]
-        measured.append(name)
-        tps, acc = speeds[name]
-        m = _measured(tps, acc)
-        for r in m[1]["rounds"]:
-            r["_outputs"] = [[1, 2, 3]]
-        return m
+    def fake_measure(url, prompts, conc, max_new_tokens=256):
+        if max_new_tokens == online.WARM_TOKENS:
+            return {"output_tokens_per_s": 1.0}
+        if len(timed) == 4:
+            raise KeyboardInterrupt  # the phase's time limit, in the second round
+        timed.append(url)
+        tps, acc = speed[url]
+        return {"output_tokens_per_s": tps, "_outputs": [[1, 2, 3]], **({"accept_length": acc} if acc else {})}
 
-    monkeypatch.setattr(online, "measure_server", fake_measure_server)
+    monkeypatch.setattr(online, "measure", fake_measure)
+    monkeypatch.setattr(online, "flush", lambda url: None)
+    monkeypatch.setattr(online, "server_accept_length", lambda url: None)
     with pytest.raises(KeyboardInterrupt):
         experiment.run(plan, [[1, 2]] * 16, tmp_path / "online", log=lambda *_: None)
-    assert Srv.stopped == 3  # every server stopped all the same
+    assert Srv.stopped == 3 and timed == ["P", "M", "S", "S"]  # every server stopped all the same
     saved = json.loads((tmp_path / "online" / experiment.PARTIAL).read_text())
-    assert sorted(saved["results"]["servers"]) == ["main", "plain"] and "_outputs" not in json.dumps(saved)
-    (tmp_path / "metrics.json").write_text(json.dumps({"offline_tau_3": 3.0, "offline_walk_accept_length_3": 2.6}))
+    assert sorted(saved["results"]["servers"]) == ["main", "plain", "steps1"] and "_outputs" not in json.dumps(saved)
+    assert all(len(r["by_concurrency"]["1"]["rounds"]) == 1 for r in saved["results"]["servers"].values())
+    (tmp_path / "metrics.json").write_text(json.dumps({"offline_tau_3": 3.0, "offline_walk_accept_length_3": 2.5}))
     m = experiment.record_partial(tmp_path)
-    assert m["online_partial"] is True and m["online_servers_measured"] == 2 and m["online_servers_planned"] == 3
-    assert m["online_speedup"] == pytest.approx(155.0 / 105.0) and m["online_accept_length"] == pytest.approx(2.6)
-    assert m["offline_walk_online_rel_gap"] == pytest.approx(0.0) and "export_params_unloaded" not in m
-    assert "online_required_servers_failed" not in m  # the mark of a complete summary, which this is not
+    assert m["online_partial"] is True and m["online_servers_measured"] == 3 and m["online_servers_planned"] == 3
+    assert m["online_speedup"] == pytest.approx(1.5) and m["online_accept_length"] == pytest.approx(2.5)
+    assert m["steps1_speedup"] == pytest.approx(0.8) and m["offline_walk_online_rel_gap"] == pytest.approx(0.0)
+    assert "export_params_unloaded" not in m and "online_required_servers_failed" not in m
     assert json.loads((tmp_path / "metrics.json").read_text())["online_speedup"] == m["online_speedup"]
     # the notebook's complete summary is never overwritten by a partial one
     (tmp_path / "metrics.json").write_text(json.dumps({"online_required_servers_failed": 0, "online_speedup": 1.0}))

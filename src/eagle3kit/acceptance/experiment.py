@@ -1,7 +1,8 @@
 """The online experiment of notebook 05: every drafter and setting served by SGLang on one GPU, measured against
 the plain target with the same prompts in the same run, plus the load proof and the doctor's check in SGLang.
 
-Servers (all started at once, measured one at a time; see ``online.shared_gpu_args``):
+Servers (all started at once, then timed one at a time in interleaved rounds, ``online.measure_servers``; see
+``online.shared_gpu_args``):
   plain                     the target alone (SGLang's defaults otherwise)
   main                      the trained drafter at (steps, topk, draft tokens) = serving (default 3, 1, 4)
   steps<n>                  the same drafter, chain of n steps (n, 1, n + 1), the sweep
@@ -95,28 +96,36 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
     try:
         spec_by_name = {s.name: s for s in specs}
         order = ["plain", "main"] + [s.name for s in specs if s.name not in ("plain", "main")]
+        timed = {}
         for name in order:
             if name in failed or name not in servers:
                 continue
             srv = servers[name]
-            s = spec_by_name[name]
             if name in ("proof", "offbyone"):  # their draft hook records a few requests of ours, one at a time
                 _proof_requests(srv.url, by_conc[1][:4])
                 results["servers"].setdefault(name, {})["prompts"] = {f"{i}": p for i, p in enumerate(by_conc[1][:4])}
                 if name == "proof":  # CUDA graphs off: not a speed figure
                     continue
-            full = name in ("plain", "main")
-            conc = by_conc if full else {1: by_conc[1]}
-            t1 = time.time()
-            # every setting's speed is a ratio users act on: each gets the same rounds as plain (batch 1 only: cheap)
-            m = online.measure_server(srv.url, conc, plan.max_new_tokens, rounds=plan.rounds)
-            results["servers"].setdefault(name, {}).update(
-                setting=[s.steps, s.topk, s.draft_tokens] if s.drafter else None, drafter=s.drafter, by_concurrency=m)
-            b1 = m[1]
+            # every setting's speed is a ratio users act on: each gets the same rounds as plain (batch 1 only: cheap);
+            # plain and main also at every concurrency
+            timed[name] = (srv.url, by_conc if name in ("plain", "main") else {1: by_conc[1]})
+
+        def keep(measured):  # after each round: the results so far, on disk (an interrupted run keeps them)
+            for name, m in measured.items():
+                spec = spec_by_name[name]
+                results["servers"].setdefault(name, {}).update(
+                    setting=[spec.steps, spec.topk, spec.draft_tokens] if spec.drafter else None, drafter=spec.drafter,
+                    by_concurrency=m)
+            _save_partial(work, plan, results)
+
+        t1 = time.time()
+        online.measure_servers(timed, plan.max_new_tokens, plan.rounds, after_round=keep)
+        for name in timed:
+            b1 = results["servers"][name]["by_concurrency"][1]
             acc = [r["accept_length"] for r in b1["rounds"] if "accept_length" in r]
             log(f"{name:>14}: conc 1 {b1['output_tokens_per_s_median']:8.1f} tok/s"
-                + (f", accept {statistics.fmean(acc):.3f}" if acc else "") + f" ({time.time() - t1:.0f} s)")
-            _save_partial(work, plan, results)  # an interrupted run keeps every server measured so far
+                + (f", accept {statistics.fmean(acc):.3f}" if acc else ""))
+        log(f"{len(timed)} servers, {plan.rounds} interleaved rounds: {time.time() - t1:.0f} s")
     finally:
         for srv in servers.values():
             srv.stop()

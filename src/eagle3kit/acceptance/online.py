@@ -149,31 +149,53 @@ def server_accept_length(url: str) -> float | None:
 WARM_TOKENS = 32  # new tokens per request of a concurrency's untimed warm pass
 
 
-def measure_server(url: str, prompts_by_conc: dict, max_new_tokens: int, rounds: int = 1) -> dict:
-    """Every concurrency ``rounds`` times from a flushed server; per concurrency the rounds, median and spread.
+def measure_servers(servers: dict, max_new_tokens: int, rounds: int = 1, after_round=None) -> dict:
+    """Every server's concurrencies, ``rounds`` times, the servers' rounds interleaved. ``servers``: name -> (url,
+    prompts_by_conc). Returns name -> {conc: {"rounds", "warm_seconds", median, min, max of output tokens/s}};
+    ``after_round`` gets the same, so far, after each round (an interrupted run keeps whole rounds).
 
-    Each concurrency is first run once untimed (its first ``concurrency`` prompts, ``WARM_TOKENS`` new tokens each):
-    an EAGLE server's first batch of a new size ran 37-38 % slower than the rounds after it (record
-    gpu-drafter-pipeline-3 at concurrency 8, -6 at 8 and 32), which timed the server's warm-up, not its speed."""
-    out = {}
-    for conc, prompts in prompts_by_conc.items():
-        t0 = time.perf_counter()
-        measure(url, prompts[:conc], conc, WARM_TOKENS)
-        warm_s = time.perf_counter() - t0
-        rows = []
-        for _ in range(rounds):
-            flush(url)
-            r = measure(url, prompts, conc, max_new_tokens)
-            r["server_accept_length"] = server_accept_length(url)
-            rows.append(r)
-        tps = [r["output_tokens_per_s"] for r in rows]
-        out[conc] = {"rounds": rows, "warm_seconds": warm_s, "output_tokens_per_s_median": statistics.median(tps),
-                     "output_tokens_per_s_min": min(tps), "output_tokens_per_s_max": max(tps)}
+    Each concurrency of each server is first run once untimed (its first ``concurrency`` prompts, ``WARM_TOKENS`` new
+    tokens each): an EAGLE server's first batch of a new size ran 37-38 % slower than the rounds after it (records
+    gpu-drafter-pipeline-3 at concurrency 8, -6 at 8 and 32), which timed its warm-up, not its speed. Then round r
+    times every server in turn, each from a flushed cache, forward on even rounds and backward on odd ones: batch-1
+    speed at one moment differed from the next by up to 2x within one server's rounds (the plain server's decode log
+    in gpu-drafter-pipeline-7: 340-917 tokens/s), and timing a server's rounds back to back left its ratio to plain to
+    whichever stretch it fell in; interleaved, a drift during the run reaches every server alike."""
+    warm, rows = {}, {}
+    for name, (url, by_conc) in servers.items():
+        for conc, prompts in by_conc.items():
+            t0 = time.perf_counter()
+            measure(url, prompts[:conc], conc, WARM_TOKENS)
+            warm[name, conc] = time.perf_counter() - t0
+            rows[name, conc] = []
+    names = list(servers)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            url, by_conc = servers[name]
+            for conc, prompts in by_conc.items():
+                flush(url)
+                m = measure(url, prompts, conc, max_new_tokens)
+                m["server_accept_length"] = server_accept_length(url)
+                rows[name, conc].append(m)
+        done = _by_server(rows, warm)
+        if after_round is not None:
+            after_round(done)
+    return _by_server(rows, warm)
+
+
+def _by_server(rows: dict, warm: dict) -> dict:
+    out: dict = {}
+    for (name, conc), rr in rows.items():
+        if rr:
+            tps = [r["output_tokens_per_s"] for r in rr]
+            out.setdefault(name, {})[conc] = {"rounds": list(rr), "warm_seconds": warm[name, conc],
+                                              "output_tokens_per_s_median": statistics.median(tps),
+                                              "output_tokens_per_s_min": min(tps), "output_tokens_per_s_max": max(tps)}
     return out
 
 
 def spread(measured: dict) -> float:
-    """(fastest - slowest round) / median of one concurrency's rounds, as measure_server gives them."""
+    """(fastest - slowest round) / median of one concurrency's rounds, as measure_servers gives them."""
     med = measured["output_tokens_per_s_median"]
     return (measured["output_tokens_per_s_max"] - measured["output_tokens_per_s_min"]) / med if med else 0.0
 
