@@ -487,6 +487,37 @@ def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
                     {"plain": 3, "main": 3, "tree": 3}]
 
 
+def test_accept_length_at_another_concurrency_on_the_prompts_batch_1_used(monkeypatch):
+    """measure keeps (verifies, correct drafts) per request in prompt order; the summary gives a concurrency's accept
+    length over batch 1's prompts beside its own, to tell the prompts' effect from the concurrency's (-6: 2.38 at
+    batch 1 on 8 prompts, 1.97 at 8 on 32). Prompt i yields i correct drafts in 10 verifies."""
+    from eagle3kit.acceptance import experiment
+
+    def fake_generate(session, url, ids, max_new_tokens, timeout=600):
+        i = ids[0]
+        return {"completion_tokens": 10 + i, "verify_ct": 10, "correct_drafts": i, "sglang_accept_length": None,
+                "seconds": 0.0, "output_ids": [i]}
+
+    monkeypatch.setattr(online, "generate", fake_generate)
+    prompts = [[i] for i in (6, 4, 0, 0)]
+    r8 = online.measure("http://x", prompts, 4)
+    assert r8["per_request"] == [[10, 6], [10, 4], [10, 0], [10, 0]] and r8["accept_length"] == pytest.approx(1.25)
+    r1 = online.measure("http://x", prompts[:2], 1)
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(),
+                                 concurrencies=(1, 8), prompts_per_conc={1: 2, 8: 4})
+
+    def at(r):
+        return {"rounds": [r], "output_tokens_per_s_median": 1.0, "output_tokens_per_s_min": 1.0,
+                "output_tokens_per_s_max": 1.0}
+    results = {"servers": {"plain": {"by_concurrency": {1: at({"output_tokens_per_s": 1.0}),
+                                                        8: at({"output_tokens_per_s": 1.0})}},
+                           "main": {"by_concurrency": {1: at(r1), 8: at(r8)}}}}
+    m = experiment.summarize(plan, results, {}, {})
+    assert m["online_accept_length"] == pytest.approx(1.5) and m["online_accept_length_c8"] == pytest.approx(1.25)
+    assert m["online_accept_length_c8_on_batch1_prompts"] == pytest.approx(1.5)  # the prompts, not the concurrency
+    assert "online_accept_length_on_batch1_prompts" not in m
+
+
 def test_summarize_speedup_and_breakeven():
     plain = _measured([90.0, 100.0, 130.0])
     spec = _measured([140.0, 150.0, 400.0], accepts=[2.0, 2.6, None])

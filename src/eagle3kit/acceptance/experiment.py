@@ -327,6 +327,10 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             m[f"spec_tokens_per_s{sfx}"] = sm["spec_tokens_per_s"]
             if sm["accept_length"] is not None:
                 m[f"online_accept_length{sfx}"] = sm["accept_length"]
+            n1 = plan.prompts_per_conc.get(1, 0)
+            same = online.accept_on_first(srv["main"]["by_concurrency"][conc], n1) if conc != 1 and n1 else None
+            if same is not None:  # the prompts batch 1 took, at this concurrency: prompts or concurrency?
+                m[f"online_accept_length{sfx}_on_batch1_prompts"] = same
             for who in ("plain", "main"):
                 rounds = srv[who]["by_concurrency"][conc]["rounds"]
                 for i, r in enumerate(rounds):
