@@ -22,7 +22,10 @@
 # still cut at 482 s in 03's reference spot check (8,390 samples; capture 32 s, verify 27 s), give it 540; training of
 # 9 min, 576 s; serve with 11 servers (a flashinfer variant's two among them) 209 s to start them, cut at 420 s during
 # the proof: without the variant (9 servers, ~110 s) and 16 prompts at batch 1, give it 450.
-# On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first.
+# On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. Not yet run on a GPU (2026-12-01): the trainer's
+# compile_layers. Its GPU test beside the data phase (data+tests@90, E3K_TESTS_K=compiled: it makes its own small data
+# set), its A/B after it (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20,
+# ~2 min), then the training with E3K_TRAIN_SETS="--set 04_train.compile_layers=true" (eager again if its trial fails).
 # Poll back to back: the machine is taken back ~30 s after a call returns, chain and data with it (2026-12-01: a
 # poll started late lost a training at 52 % and the serve phase; later a transient error on the caller's side lost a
 # fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash
