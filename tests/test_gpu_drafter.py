@@ -88,6 +88,21 @@ def _rel(a, c) -> float:
     return max(float((x - y).norm() / y.norm().clamp_min(1e-12)) for x, y in zip(a, c))
 
 
+def _same_training(rows, names, tmp_path, report_name) -> None:
+    """Per batch (reference, candidate, merged), each (loss, gradients): the candidate's loss within 0.5 % and its
+    gradients within 5 % of the reference's, while the merged rows' gradients (the wrong computation) sit at least
+    4x as far (the check can fail). The figures go to E3K_TEST_OUT (the record)."""
+    ref, cand = names
+    report = {}
+    for i, ((lr, gr), (lc, gc), (lm, gm)) in enumerate(rows):
+        report[i] = {f"loss_{ref}": lr, f"loss_{cand}": lc, "loss_merged": lm, f"grad_rel_{cand}": _rel(gc, gr),
+                     "grad_rel_merged": _rel(gm, gr)}
+        assert abs(lc - lr) / lr < 5e-3, report[i]
+        assert report[i][f"grad_rel_{cand}"] < 0.05, report[i]
+        assert report[i]["grad_rel_merged"] > 4 * report[i][f"grad_rel_{cand}"], report[i]
+    (Path(os.environ.get("E3K_TEST_OUT", tmp_path)) / report_name).write_text(json.dumps(report, indent=1))
+
+
 def test_flex_attention_trains_as_the_dense_attention(tmp_path, target_path):
     """The GPU default (block-sparse flex attention, compiled) gives the dense SDPA path's loss, gradients and logits
     on real packed batches (bf16 autocast), and the comparison can fail (the samples of a row merged into one)."""
@@ -104,18 +119,8 @@ def test_flex_attention_trains_as_the_dense_attention(tmp_path, target_path):
         finally:
             tl._attn_implementation = flex.IMPL
 
-    report = {}
-    for i, b in enumerate(loaded):
-        ls, gs = with_impl(b, "sdpa")
-        lf, gf = with_impl(b, flex.IMPL)
-        lm, gm = with_impl(merged(b), flex.IMPL)
-        report[i] = {"loss_sdpa": ls, "loss_flex": lf, "loss_merged": lm, "grad_rel_flex": _rel(gf, gs),
-                     "grad_rel_merged": _rel(gm, gs)}
-        assert abs(lf - ls) / ls < 5e-3, report[i]
-        assert report[i]["grad_rel_flex"] < 0.05, report[i]
-        assert report[i]["grad_rel_merged"] > 4 * report[i]["grad_rel_flex"], report[i]  # the check can fail
-    out = Path(os.environ.get("E3K_TEST_OUT", tmp_path)) / "gpu-flex-test.json"
-    out.write_text(json.dumps(report, indent=1))
+    _same_training([(with_impl(b, "sdpa"), with_impl(b, flex.IMPL), with_impl(merged(b), flex.IMPL)) for b in loaded],
+                   ("sdpa", "flex"), tmp_path, "gpu-flex-test.json")
 
 
 def test_compiled_layers_train_as_the_eager_layers(tmp_path, target_path):
@@ -124,22 +129,15 @@ def test_compiled_layers_train_as_the_eager_layers(tmp_path, target_path):
     run, loaded, grads, merged = _real_batches(tmp_path, target_path, compile_layers=True)
     assert run.extra["compiled"], "the compile's trial step failed (see the run's output)"
     layers = list(run.model.layers)
-    report = {}
-    for i, b in enumerate(loaded):
-        lc, gc = grads(b)
+    rows = []
+    for b in loaded:
+        candidate = grads(b)
         compiled = [layer._compiled_call_impl for layer in layers]  # noqa: SLF001 - what nn.Module.compile set
         for layer in layers:
             layer._compiled_call_impl = None  # noqa: SLF001 - eager for the reference
         try:
-            le, ge = grads(b)
-            lm, gm = grads(merged(b))
+            rows.append((grads(b), candidate, grads(merged(b))))
         finally:
             for layer, c in zip(layers, compiled):
                 layer._compiled_call_impl = c  # noqa: SLF001
-        report[i] = {"loss_compiled": lc, "loss_eager": le, "loss_merged": lm, "grad_rel_compiled": _rel(gc, ge),
-                     "grad_rel_merged": _rel(gm, ge)}
-        assert abs(lc - le) / le < 5e-3, report[i]
-        assert report[i]["grad_rel_compiled"] < 0.05, report[i]
-        assert report[i]["grad_rel_merged"] > 4 * report[i]["grad_rel_compiled"], report[i]  # the check can fail
-    out = Path(os.environ.get("E3K_TEST_OUT", tmp_path)) / "gpu-compiled-layers-test.json"
-    out.write_text(json.dumps(report, indent=1))
+    _same_training(rows, ("eager", "compiled"), tmp_path, "gpu-compiled-layers-test.json")
