@@ -550,6 +550,7 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
            "main-flashinfer": _measured([240.0], [2.4])}
     results = {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}, "failed": {"steps1": "oom"}}
     m = experiment.summarize(plan, results, {}, {"main": {"offline_tau_3": 2.5, "offline_walk_accept_length_3": 2.2},
+                                                 "main_first_replies": {"offline_walk_accept_length_3": 2.52},
                                                  "engine": {"offline_tau_3": 1.4}})
     assert m["online_speedup"] == pytest.approx(1.5) and m["online_accept_length"] == pytest.approx(2.4)
     assert m["flashinfer_speedup"] == pytest.approx(2.0) and m["flashinfer_breakeven_accept_length"] == pytest.approx(1.2)
@@ -559,6 +560,9 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     assert m["negative_control_accept_length"] == pytest.approx(1.1) and m["engine_offline_tau"] == 1.4
     assert m["offline_online_rel_gap"] == pytest.approx(0.1 / 2.4)
     assert m["offline_walk_accept_length"] == 2.2 and m["offline_walk_online_rel_gap"] == pytest.approx(0.2 / 2.4)
+    # the walk over the very replies batch 1 decoded (their conversations' first replies), beside the online figure
+    assert m["offline_walk_same_replies"] == 2.52
+    assert m["offline_walk_same_replies_online_rel_gap"] == pytest.approx(0.12 / 2.4)
     assert not any(k.startswith(("plain-", "main-")) for k in m)
     assert m["online_servers_failed"] == 1 and m["online_required_servers_failed"] == 0
     assert m["doctor_verified_families"] == "" and m["doctor_target_model_type"] == "llama"  # no proof ran

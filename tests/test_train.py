@@ -358,3 +358,35 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
             torch.testing.assert_close(w_fallback[k], w_eager[k], rtol=1e-5, atol=1e-7)
     finally:
         torch._dynamo.reset()
+
+
+def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, tmp_path, target_path):
+    """offline.first_replies: only the chosen conversations, each with only its first assistant reply counted (the
+    reply SGLang decodes from the online prompt of that conversation): the evaluated rows are exactly the first
+    replies' adjacent token pairs, fewer than all replies' of the same samples (the restriction can fail). The online
+    prompts come with their conversations' ids, held-out ones."""
+    from transformers import AutoTokenizer
+
+    from eagle3kit.acceptance import offline, online
+    from eagle3kit.store import read_manifest
+
+    out = tmp_path / "d"
+    train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))
+    entries = sorted(read_manifest(small_dataset).values(), key=lambda e: (-len(e["loss_spans"]), e["index"]))
+    chosen = entries[:3]
+    assert len(chosen[0]["loss_spans"]) >= 2, "the data set needs a sample of several replies for this test"
+    ids = [e["conv_id"] for e in chosen]
+
+    def rows(spans):  # rows whose step 0 counts: both tokens after the state in the reply (objective.valid_rows)
+        return sum(b - a - 1 for a, b in spans)
+
+    kw = {"steps": 2, "split": None, "tokens_per_batch": TINY["tokens_per_batch"]}
+    first = offline.evaluate_drafter(out / "best", small_dataset, first_replies_of=ids, **kw)
+    assert first["offline_rows"] == sum(rows(e["loss_spans"][:1]) for e in chosen)
+    whole = offline.evaluate_drafter(out / "best", small_dataset, **kw, max_batches=None)
+    assert first["offline_rows"] < sum(rows(e["loss_spans"]) for e in chosen) < whole["offline_rows"]
+    tok = AutoTokenizer.from_pretrained(target_path)
+    conv_ids, prompts = online.heldout_prompts(small_dataset, tok, 3, with_ids=True)
+    held = {e["conv_id"] for e in read_manifest(small_dataset).values() if e["split"] == "heldout"}
+    assert prompts == online.heldout_prompts(small_dataset, tok, 3) and len(conv_ids) == len(prompts) > 0
+    assert set(conv_ids) <= held

@@ -310,7 +310,8 @@ def _best_setting(results: dict, m: dict, serving) -> dict:
 
 def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> dict:
     """Flat metrics of the online experiment. ``offline``: name -> offline metrics (``offline_tau_{n}``) of that
-    drafter on the held-out split ("main" and the controls)."""
+    drafter on the held-out split ("main" and the controls; "main_first_replies": the main drafter on the first
+    replies of the conversations whose prompts batch 1 served, ``offline.first_replies``)."""
     m: dict = {"online_servers_failed": len(results.get("failed", {})),
                "online_required_servers_failed": len(set(results.get("failed", {})) & set(REQUIRED)),
                "online_startup_seconds": results.get("startup_seconds", 0.0)}
@@ -353,6 +354,11 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if m.get("online_accept_length"):
             m["offline_walk_online_rel_gap"] = (abs(m["offline_walk_accept_length"] - m["online_accept_length"])
                                                 / m["online_accept_length"])
+    same = offline.get("main_first_replies", {}).get(f"offline_walk_accept_length_{s}")
+    if same is not None:  # the same replies SGLang decoded at batch 1 (their conversations' first replies), walked
+        m["offline_walk_same_replies"] = same
+        if m.get("online_accept_length"):
+            m["offline_walk_same_replies_online_rel_gap"] = abs(same - m["online_accept_length"]) / m["online_accept_length"]
     plain1 = srv.get("plain", {}).get("by_concurrency", {}).get(1, {}).get("output_tokens_per_s_median")
     for b in plan.variants:  # the same comparison within a variant's servers (batch 1)
         p, q = (srv.get(f"{w}-{b}", {}).get("by_concurrency", {}) for w in ("plain", "main"))

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 
-def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: int = 4096, device: str = "auto"):
-    """A ``train.Run`` around an exported drafter and a data set split (what ``train.evaluate`` takes)."""
+def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: int = 4096, device: str = "auto",
+                   first_replies_of=None):
+    """A ``train.Run`` around an exported drafter and a data set split (what ``train.evaluate`` takes);
+    ``first_replies_of``: see ``evaluate_drafter``."""
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter.export import load_sglang_export
     from eagle3kit.drafter.model import TargetHead
@@ -29,6 +31,8 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     source = D.open_source(data, split)
+    if first_replies_of is not None:
+        source = first_replies(source, first_replies_of)
     if len(source) == 0:
         raise ValueError(f"{data}: no samples of split {split!r} to evaluate on")
     info = source.info()
@@ -46,12 +50,27 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
                extra={"aux_layer_ids": meta["capture_layer_ids"][:-1], "meta": meta})
 
 
+def first_replies(source, conv_ids):
+    """Only the samples of ``conv_ids``, each with only its first assistant reply loss-masked: what SGLang generates
+    from their first user turn, i.e. from the online experiment's prompts (``online.heldout_prompts``). On data whose
+    replies the target regenerated greedily, that reply is the text the online server decodes."""
+    from eagle3kit.drafter import data as D
+
+    if not isinstance(source, D.CaptureSource):
+        raise ValueError(f"{source}: first replies need an eagle3kit data set (its manifest's conversation ids)")
+    wanted = set(conv_ids)
+    source.entries = [{**e, "loss_spans": e["loss_spans"][:1]} for e in source.entries if e["conv_id"] in wanted]
+    return source
+
+
 def evaluate_drafter(drafter_dir, data, steps: int = 7, split: str = "heldout", tokens_per_batch: int = 4096,
-                     device: str = "auto", max_batches: int | None = None) -> dict:
-    """Chained acceptance of the exported drafter over ``split`` of ``data``: flat metrics (``offline_`` prefix)."""
+                     device: str = "auto", max_batches: int | None = None, first_replies_of=None) -> dict:
+    """Chained acceptance of the exported drafter over ``split`` of ``data``: flat metrics (``offline_`` prefix).
+    ``first_replies_of``: conversation ids whose first replies alone are evaluated (``first_replies``), for the
+    like-for-like comparison with the online accept length on the prompts of those conversations."""
     from eagle3kit.drafter.train import evaluate
 
-    run = evaluation_run(drafter_dir, data, split, tokens_per_batch, device)
+    run = evaluation_run(drafter_dir, data, split, tokens_per_batch, device, first_replies_of)
     walk = torch.zeros(steps, 2, dtype=torch.float64)
     counts = evaluate(run, steps, max_batches=max_batches, walk=walk)
     if not counts.valid[0]:

@@ -229,9 +229,10 @@ def breakeven(accept: float, speedup: float) -> float | None:
     return accept / speedup if speedup else None
 
 
-def heldout_prompts(data_dir, tokenizer, n: int, max_prompt_tokens: int = 1024) -> list[list[int]]:
+def heldout_prompts(data_dir, tokenizer, n: int, max_prompt_tokens: int = 1024, with_ids: bool = False):
     """The first user turn(s) of held-out conversations (up to the first assistant turn), rendered with the
-    target's chat template and its generation prompt: the prompts a served target would see."""
+    target's chat template and its generation prompt: the prompts a served target would see. ``with_ids``:
+    (conversation ids, prompts), for ``offline.first_replies``."""
     from eagle3kit.data.conversations import load_conversations
     from eagle3kit.store import read_manifest
 
@@ -244,7 +245,7 @@ def heldout_prompts(data_dir, tokenizer, n: int, max_prompt_tokens: int = 1024) 
     else:
         settings = json.loads((data_dir / "extraction.json").read_text())
         convs, _ = load_conversations(settings["data"])
-    prompts = []
+    prompts, conv_ids = [], []
     for c in convs:
         if c["id"] not in ids_wanted:
             continue
@@ -259,6 +260,7 @@ def heldout_prompts(data_dir, tokenizer, n: int, max_prompt_tokens: int = 1024) 
         ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) <= max_prompt_tokens:
             prompts.append(ids)
+            conv_ids.append(c["id"])
         if len(prompts) >= n:
             break
-    return prompts
+    return (conv_ids, prompts) if with_ids else prompts
