@@ -360,11 +360,12 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
         torch._dynamo.reset()
 
 
-def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, tmp_path, target_path):
+def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, tmp_path, target_path, monkeypatch):
     """offline.first_replies: only the chosen conversations, each with only its first assistant reply counted (the
     reply SGLang decodes from the online prompt of that conversation): the evaluated rows are exactly the first
     replies' adjacent token pairs, fewer than all replies' of the same samples (the restriction can fail). The online
-    prompts come with their conversations' ids, held-out ones."""
+    prompts come with their conversations' ids, held-out ones. On a GPU the evaluation, like training, runs SDPA
+    without cuDNN."""
     from transformers import AutoTokenizer
 
     from eagle3kit.acceptance import offline, online
@@ -385,6 +386,17 @@ def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, 
     assert first["offline_rows"] == sum(rows(e["loss_spans"][:1]) for e in chosen)
     whole = offline.evaluate_drafter(out / "best", small_dataset, **kw, max_batches=None)
     assert first["offline_rows"] < sum(rows(e["loss_spans"]) for e in chosen) < whole["offline_rows"]
+    # on a GPU the offline evaluation turns cuDNN's SDPA off, as training does (a plan per new shape: 10x slower)
+    from eagle3kit.drafter import train as T
+
+    seen, switched = [], []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", switched.append)
+    T.no_cudnn_sdpa("cpu")
+    T.no_cudnn_sdpa(torch.device("cuda"))
+    assert switched == [False]
+    monkeypatch.setattr(T, "no_cudnn_sdpa", lambda device: seen.append(torch.device(device).type))
+    offline.evaluate_drafter(out / "best", small_dataset, max_batches=1, **kw)
+    assert seen == ["cpu"]
     tok = AutoTokenizer.from_pretrained(target_path)
     conv_ids, prompts = online.heldout_prompts(small_dataset, tok, 3, with_ids=True)
     held = {e["conv_id"] for e in read_manifest(small_dataset).values() if e["split"] == "heldout"}

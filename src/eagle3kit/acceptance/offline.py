@@ -22,7 +22,7 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter.export import load_sglang_export
     from eagle3kit.drafter.model import TargetHead
-    from eagle3kit.drafter.train import Dist, Run, TrainConfig, count_frequencies
+    from eagle3kit.drafter.train import Dist, Run, TrainConfig, count_frequencies, no_cudnn_sdpa
     from eagle3kit.drafter.vocab import DraftVocab
     from eagle3kit.target import TargetInfo, resolve_target
 
@@ -30,6 +30,8 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
     target = resolve_target(meta["target"])
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
+    no_cudnn_sdpa(dev)  # its dense masks change shape at every batch and step (05's offline cell, cuDNN on: 86 s for
+    # 419 held-out samples on the H200, gpu-drafter-pipeline-7)
     source = D.open_source(data, split)
     if first_replies_of is not None:
         source = first_replies(source, first_replies_of)

@@ -221,6 +221,14 @@ def count_frequencies(source, vocab_size: int) -> torch.Tensor:
     return freq
 
 
+def no_cudnn_sdpa(device) -> None:
+    """On a GPU, SDPA without cuDNN: cuDNN's SDPA builds a plan for every new shape (~1 s), and packed batches all
+    differ in length (each TTT step's keys too), so it rebuilt them at every step: 6.5 K tokens/s against 87 K
+    without (gpu-drafter-pipeline-2/trainbench). Training and the offline evaluation of an export both call it."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     from eagle3kit.drafter.model import TargetHead, build
     from eagle3kit.target import TargetInfo
@@ -228,8 +236,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     cfg.validate()
     dist = dist or Dist.from_env()
     device = _device(cfg, dist)
-    if device.type == "cuda":  # cuDNN's SDPA builds a plan per new shape (~1 s); packed batches all differ in length,
-        torch.backends.cuda.enable_cudnn_sdp(False)  # so it rebuilt every step: 6.5 K tok/s against 87 K without
+    no_cudnn_sdpa(device)
     train_src = D.open_source(cfg.data, "train")
     if len(train_src) == 0:
         raise TrainError(f"{cfg.data}: no training samples (split 'train' is empty). Fix: extract more samples")
