@@ -413,7 +413,8 @@ FIT_AFTER = 20  # fit_schedule: optimizer steps timed before the plan is cut to 
 
 def _schedule(cfg: TrainConfig, state: dict):
     """Linear warmup over warmup_ratio of the plan, then cosine to min_lr_ratio at ``state["total_steps"]``, read at
-    every step: fit_schedule may shorten the plan once (the state is checkpointed, so a resume agrees)."""
+    every step: fit_schedule shortens the plan after 20 steps and again if the pace slows (the state is checkpointed,
+    so a resume agrees)."""
 
     def factor(step: int) -> float:
         total = state["total_steps"]
@@ -574,6 +575,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     t_start = time.time()
     fit_from = state["step"] + 1 if cfg.fit_schedule and not state.get("fitted") else None  # pace timed from here
     fit_at, t_fit = (fit_from + FIT_AFTER if fit_from is not None else None), None
+    refit_at = t_refit = eval_at_fit = last_fit = None  # a third of the way through the plan: fitted again
     while state["step"] < total_steps and not state.get("stopped_early"):
         epoch, in_epoch = divmod(state["step"], steps_per_epoch)
         batches = D.epoch_plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch, steps_per_epoch * per_step)
@@ -632,6 +634,23 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 state["total_steps"], state["fitted"], total_steps = dist_fitted, True, dist_fitted
                 print(f"[train] fit_schedule: {total_steps} of {state['planned_steps']} planned steps fit in "
                       f"max_minutes={cfg.max_minutes}", flush=True)
+            elif state["step"] == refit_at:
+                # a pace that changed after the first 20 steps (another process on the machine, a later stretch of
+                # the data: 0.22 s a step, then 0.34 s, seen in a CPU test run) would end the run before the cosine
+                # does; the pace since the last fit, evaluations left out (counted apart), can only shorten the plan
+                pace = (time.time() - t_refit - (spent["eval"] - eval_at_fit)) / (refit_at - last_fit)
+                refit = min(total_steps, _fitted_steps(cfg, state, time.time() - t_start, pace, eval_seconds,
+                                                       steps_per_epoch))
+                refit = int(dist.all_sum(torch.tensor([refit], device=run.device)).item()) // dist.world
+                if refit < total_steps:
+                    print(f"[train] fit_schedule: the pace changed; {refit} steps fit instead of {total_steps}",
+                          flush=True)
+                    state["total_steps"], total_steps = refit, refit
+            if state["step"] in (fit_at, refit_at):  # the next check a third of the way through what is left
+                refit_at = None
+                if total_steps - state["step"] >= 2 * FIT_AFTER:
+                    refit_at = state["step"] + (total_steps - state["step"]) // 3
+                    t_refit, eval_at_fit, last_fit = time.time(), spent["eval"], state["step"]
                 if bar is not None:
                     bar.total = total_steps
                     bar.refresh()
