@@ -420,6 +420,8 @@ def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, 
     first = offline.evaluate_drafter(out / "best", small_dataset, first_replies_of=ids, **kw)
     assert first["offline_rows"] == sum(rows(e["loss_spans"][:1]) for e in chosen)
     whole = offline.evaluate_drafter(out / "best", small_dataset, **kw, max_batches=None)
+    with pytest.raises(ValueError, match="eagle3kit data set"):  # no conversation ids to choose by: refused
+        offline.first_replies(object(), ids)
     assert first["offline_rows"] < sum(rows(e["loss_spans"]) for e in chosen) < whole["offline_rows"]
     # on a GPU the offline evaluation turns cuDNN's SDPA off, as training does (a plan per new shape: 10x slower)
     from eagle3kit.drafter import train as T

@@ -15,7 +15,6 @@ Servers (all started at once, then timed one at a time in interleaved rounds, ``
 """
 from __future__ import annotations
 
-import copy
 import json
 import statistics
 import time
@@ -139,15 +138,13 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
 
 def _save_partial(work: Path, plan: OnlinePlan, results: dict) -> None:
     """The plan and the results so far (replies left out), written atomically: ``record_partial`` reads them."""
-    kept = copy.deepcopy({k: v for k, v in results.items() if k != "servers"})
-    kept["servers"] = {name: {k: v for k, v in r.items() if k != "by_concurrency"} for name, r in results["servers"].items()}
-    for name, r in results["servers"].items():
-        if "by_concurrency" in r:
-            kept["servers"][name]["by_concurrency"] = {
-                c: {**m, "rounds": [{k: v for k, v in rr.items() if k != "_outputs"} for rr in m["rounds"]]}
-                for c, m in r["by_concurrency"].items()}
+    def rounds_without_replies(m):
+        return {**m, "rounds": [{k: v for k, v in rr.items() if k != "_outputs"} for rr in m["rounds"]]}
+
+    servers = {name: {**r, "by_concurrency": {c: rounds_without_replies(m) for c, m in r["by_concurrency"].items()}}
+               if "by_concurrency" in r else r for name, r in results["servers"].items()}
     tmp = work / f".{PARTIAL}.tmp"
-    tmp.write_text(json.dumps({"plan": asdict(plan), "results": kept}, indent=1, default=str))
+    tmp.write_text(json.dumps({"plan": asdict(plan), "results": {**results, "servers": servers}}, indent=1, default=str))
     tmp.replace(work / PARTIAL)
 
 

@@ -170,7 +170,7 @@ def measure_servers(servers: dict, max_new_tokens: int, rounds: int = 1, after_r
             measure(url, prompts[:conc], conc, WARM_TOKENS)
             warm[name, conc] = time.perf_counter() - t0
             rows[name, conc] = []
-    names = list(servers)
+    names, done = list(servers), {}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             url, by_conc = servers[name]
@@ -182,7 +182,7 @@ def measure_servers(servers: dict, max_new_tokens: int, rounds: int = 1, after_r
         done = _by_server(rows, warm)
         if after_round is not None:
             after_round(done)
-    return _by_server(rows, warm)
+    return done
 
 
 def _by_server(rows: dict, warm: dict) -> dict:
