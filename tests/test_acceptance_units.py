@@ -407,10 +407,12 @@ def test_collect_merges_metrics_under_a_folder_and_skips_runs_without_figures(tm
 def test_sweep_points():
     row = {"steps3_accept_length": 2.2, "steps1_accept_length": 1.5, "steps2_accept_length": 1.9,
            "steps4_accept_length": None, "xsteps5_accept_length": 3.0, "steps2_accept_length_server": 9.0,
-           "steps2_speedup": 1.1, "steps10_speedup": 0.8, "offline_tau_steps3": 2.5, "offline_tau_steps1": 1.6}
+           "steps2_speedup": 1.1, "steps10_speedup": 0.8, "offline_tau_steps3": 2.5, "offline_tau_steps1": 1.6,
+           "offline_walk_accept_length_2": 2.0, "offline_walk_accept_length": 2.4, "offline_walk_accept_length_1": 1.5}
     assert compare.sweep(row, "accept") == [(1, 1.5), (2, 1.9), (3, 2.2)]
     assert compare.sweep(row, "speedup") == [(2, 1.1), (10, 0.8)]
     assert compare.sweep(row, "offline") == [(1, 1.6), (3, 2.5)]
+    assert compare.sweep(row, "walk") == [(1, 1.5), (2, 2.0)]  # the unsuffixed summary key is not a point
     with pytest.raises(KeyError):
         compare.sweep(row, "nonsense")
 

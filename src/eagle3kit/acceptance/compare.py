@@ -4,7 +4,12 @@ A run is a folder (a pipeline run of ``eagle3kit run``, a training out_dir, a GP
 under it merged into one row, named by the folder) or one metrics.json file. The table shows what makes experiments
 differ (data, engine, layers, storage, loss, TTT, serving setting) beside what they reached (held-out accuracy,
 offline tau, online accept length, speedup, break-even); the plots draw accept length and speedup against the
-number of draft steps for every run that has a sweep, and offline tau by run.
+number of draft steps for every run that has a sweep, and by run the offline figures beside the online one.
+
+Offline, two figures differ in kind: tau weighs every draft position alike, while the serving walk counts round by
+round as SGLang does (``offline.walk``), so the walk is the one to hold against online accept length; the walk on
+the very replies the online batch decoded (``offline_walk_same_replies``) separates the drafter's fidelity from the
+choice of prompts (``gpu-drafter-pipeline-8``: walk on the held-out set 17 % above online, on the same replies 4.9 %).
 """
 from __future__ import annotations
 
@@ -14,9 +19,15 @@ from pathlib import Path
 
 COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage", "train_loss", "train_ttt_steps",
            "train_lm_head", "train_samples", "train_tokens", "train_acc_pos0", "baseline_acc_pos0", "offline_tau",
-           "offline_walk_accept_length", "online_accept_length", "online_speedup", "breakeven_accept_length",
+           "offline_walk_accept_length", "offline_walk_same_replies", "online_accept_length", "online_speedup", "breakeven_accept_length",
            "online_best_setting", "online_best_speedup", "negative_control_accept_length",
            "engine_control_accept_length", "fp8_accept_rel_diff"]
+
+
+BARS = [("offline_tau", "offline tau (3 steps)"),
+        ("offline_walk_accept_length", "offline walk, held out (3 steps)"),
+        ("offline_walk_same_replies", "offline walk, online's replies"),
+        ("online_accept_length", "online accept length (3 steps)")]
 
 
 def _row(path: Path) -> dict | None:
@@ -54,9 +65,10 @@ def table(rows: list[dict]) -> str:
 
 
 def sweep(row: dict, kind: str) -> list[tuple[int, float]]:
-    """(steps, value) of a run's chain sweep: kind 'accept' (online), 'speedup' or 'offline'."""
+    """(steps, value) of a run's chain sweep: kind 'accept' (online), 'speedup', 'offline' (tau) or 'walk' (the
+    offline serving walk, for every chain length evaluated)."""
     pat = {"accept": r"steps(\d+)_accept_length$", "speedup": r"steps(\d+)_speedup$",
-           "offline": r"offline_tau_steps(\d+)$"}[kind]
+           "offline": r"offline_tau_steps(\d+)$", "walk": r"offline_walk_accept_length_(\d+)$"}[kind]
     pts = sorted((int(m.group(1)), v) for k, v in row.items() if (m := re.match(pat, k)) and isinstance(v, (int, float)))
     return pts
 
@@ -67,11 +79,16 @@ def plot(rows: list[dict], path=None):
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     a, b, c = axes
     for r in rows:
-        on, off, sp = sweep(r, "accept"), sweep(r, "offline"), sweep(r, "speedup")
+        on, off, walk, sp = sweep(r, "accept"), sweep(r, "offline"), sweep(r, "walk"), sweep(r, "speedup")
         if on:
-            a.plot(*zip(*on), "o-", label=f"{r['run']} online")
+            line, = a.plot(*zip(*on), "o-", label=f"{r['run']} online")
+            color = {"color": line.get_color()}
+        else:
+            color = {}
+        if walk:
+            a.plot(*zip(*walk), "s--", label=f"{r['run']} offline walk", **color)
         if off:
-            a.plot(*zip(*off), "x--", label=f"{r['run']} offline")
+            a.plot(*zip(*off), "x:", alpha=0.6, label=f"{r['run']} offline tau", **color)
         if sp:
             b.plot(*zip(*sp), "o-", label=r["run"])
             if r.get("breakeven_accept_length"):
@@ -81,12 +98,12 @@ def plot(rows: list[dict], path=None):
     b.axhline(1.0, color="grey", ls=":", lw=1)
     b.set(xlabel="draft steps (chain)", ylabel="speedup vs plain, batch 1", title="speedup vs steps")
     names = [r["run"] for r in rows]
-    taus = [r.get("offline_tau", 0) or 0 for r in rows]
-    onl = [r.get("online_accept_length", 0) or 0 for r in rows]
-    x = range(len(rows))
-    c.bar([i - 0.2 for i in x], taus, 0.4, label="offline tau (3 steps)")
-    c.bar([i + 0.2 for i in x], onl, 0.4, label="online accept length (3 steps)")
-    c.set_xticks(list(x), names, rotation=30, ha="right", fontsize=7)
+    bars = [(k, label) for k, label in BARS if any(isinstance(r.get(k), (int, float)) for r in rows)]
+    width = 0.8 / max(1, len(bars))
+    for j, (k, label) in enumerate(bars):
+        c.bar([i - 0.4 + (j + 0.5) * width for i in range(len(rows))],
+              [r.get(k) if isinstance(r.get(k), (int, float)) else 0 for r in rows], width, label=label)
+    c.set_xticks(list(range(len(rows))), names, rotation=30, ha="right", fontsize=7)
     c.set(ylabel="tokens per verify", title="offline vs online by run")
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
