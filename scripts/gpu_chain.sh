@@ -18,14 +18,15 @@
 # 03_extract.regenerate_minutes=2.2 --set 03_extract.final_normed=false", E3K_MAX_SAMPLES=11000, E3K_DATA_CONTROLS=""
 # E3K_CONTROLS=""; the servers' start, ~2.5 min, comes on top), the training alone with flex attention
 # (E3K_TRAIN_MINUTES=8, or what /root/e3k-train-minutes says when the phase starts: write it from a poll once the data
-# phase's end and the budget left are known), then serve. Measured 2026-12-01 (gpu-drafter-pipeline-7): data 503 s and
-# still cut at 482 s in 03's reference spot check (8,390 samples; capture 32 s, verify 27 s), give it 540; training of
-# 9 min, 576 s; serve with 11 servers (a flashinfer variant's two among them) 209 s to start them, cut at 420 s during
-# the proof: without the variant (9 servers, ~110 s) and 16 prompts at batch 1, give it 450.
-# On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. Not yet run on a GPU (2026-12-01): the trainer's
-# compile_layers. Its GPU test beside the data phase (data+tests@90, E3K_TESTS_K=compiled: it makes its own small data
-# set), its A/B after it (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20,
-# ~2 min), then the training with E3K_TRAIN_SETS="--set 04_train.compile_layers=true" (eager again if its trial fails).
+# phase's end and the budget left are known), then serve. Measured 2026-12-02 (gpu-drafter-pipeline-8): data 543 s with
+# the compiled-layers GPU test beside it, still cut in 03's reference spot check at its 520-s limit (7,591 samples;
+# the capture server stopped 84 s before the limit, and cell 6's checks took part of that), give it 560; training of
+# 8 min, 435 s; serve with 9 servers and 16/32/64 prompts, 289 s complete (servers healthy after 91 s), give it 330.
+# Those ~150 s saved buy ~2 more minutes of training (tau(3): 3.029 after 8 min, 3.167 after 9 in -7).
+# On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. The trainer's compile_layers passed its GPU test
+# (gpu-drafter-pipeline-8/tests: the eager layers' loss and gradients within 0.25 %); its speed A/B is still to run
+# (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20, ~2 min), then the
+# training with E3K_TRAIN_SETS="--set 04_train.compile_layers=true" if it is faster (eager again if its trial fails).
 # Poll back to back: the machine is taken back ~30 s after a call returns, chain and data with it (2026-12-01: a
 # poll started late lost a training at 52 % and the serve phase; later a transient error on the caller's side lost a
 # fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash
@@ -53,7 +54,7 @@ kill_servers_of() {  # only this phase's SGLang processes: another chain (a seco
     tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$1" && kill -9 "$p" 2>/dev/null
   done
 }
-CHAIN=${E3K_CHAIN:-"data:540 train:540 serve:450"}
+CHAIN=${E3K_CHAIN:-"data:560 train:600 serve:330"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   group=${item%%:*} limit=${item#*:}
