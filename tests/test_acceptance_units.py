@@ -570,6 +570,33 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     assert m["doctor_verified_families"] == "" and m["doctor_target_model_type"] == "llama"  # no proof ran
 
 
+def test_a_variant_of_speculative_flags_only_is_held_against_plain_itself(tmp_path):
+    """A variant that changes only speculative flags (the draft attention backend) gets no plain server of its own:
+    without speculation it would serve exactly as plain, so its speedup is against plain; a flag of any other kind
+    (even beside a speculative one) keeps the variant's own plain server."""
+    from eagle3kit.acceptance import experiment
+
+    assert experiment.speculative_only(["--speculative-attention-mode", "decode"])
+    assert not experiment.speculative_only(["--speculative-attention-mode", "decode", "--attention-backend", "fa3"])
+    assert not experiment.speculative_only([]) and not experiment.speculative_only(["decode"])
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(), offbyone=False,
+                                 proof=False, concurrencies=(1,),
+                                 variants={"verifydecode": ["--speculative-attention-mode", "decode"],
+                                           "mixed": ["--speculative-attention-mode", "decode", "--attention-backend",
+                                                     "flashinfer"]})
+    assert [s.name for s in experiment.servings(plan, tmp_path)] == ["plain", "main", "main-verifydecode",
+                                                                       "plain-mixed", "main-mixed"]
+    srv = {"plain": _measured([100.0]), "main": _measured([150.0], [2.4]), "main-verifydecode": _measured([180.0], [2.4]),
+           "plain-mixed": _measured([50.0]), "main-mixed": _measured([100.0], [2.4])}
+    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}}, {}, {})
+    assert m["verifydecode_speedup"] == pytest.approx(1.8) and m["verifydecode_plain_tokens_per_s"] == 100.0
+    assert m["verifydecode_breakeven_accept_length"] == pytest.approx(2.4 / 1.8)
+    assert m["mixed_speedup"] == pytest.approx(2.0)  # against its own plain (50), not plain's 100
+    del srv["plain"]  # plain failed to start: a speculative-only variant has nothing to be held against
+    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}}, {}, {})
+    assert "verifydecode_speedup" not in m and m["mixed_speedup"] == pytest.approx(2.0)
+
+
 def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(tmp_path):
     """The best setting is chosen among main, the sweep and the trees by speedup at batch 1 (a faster control does not
     count: it is not a drafter to serve), named with its (steps, topk, draft tokens); each setting's rounds give its

@@ -11,7 +11,9 @@ Servers (all started at once, then timed one at a time in interleaved rounds, ``
   offbyone                  the main drafter exported with layer ids off by one (negative control), draft hooks on
   proof                     the main drafter, CUDA graphs off, draft hooks on: load proof and fed layers
   plain-<v>, main-<v>       plain and main with variant <v>'s extra server arguments (e.g. another attention
-                            backend), batch 1: does it lower the break-even?
+                            backend), batch 1: does it lower the break-even? A variant of speculative flags only
+                            (``--speculative-*``, e.g. ``--speculative-draft-attention-backend``) has no plain-<v>: plain serves
+                            the same without speculation, so main-<v> is held against plain itself
 """
 from __future__ import annotations
 
@@ -56,12 +58,20 @@ def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
     if plan.offbyone:
         out.append(online.Serving("offbyone", str(work / "offbyone"), s, t, d, hooks=draft_hooks(work / "hooks-offbyone")))
     for v, args in plan.variants.items():
-        out += [online.Serving(f"plain-{v}", extra_args=list(args)),
-                online.Serving(f"main-{v}", plan.drafter, s, t, d, extra_args=list(args))]
+        if not speculative_only(args):
+            out.append(online.Serving(f"plain-{v}", extra_args=list(args)))
+        out.append(online.Serving(f"main-{v}", plan.drafter, s, t, d, extra_args=list(args)))
     if plan.proof:
         out.append(online.Serving("proof", plan.drafter, s, t, d, extra_args=["--disable-cuda-graph"],
                                   hooks=draft_hooks(work / "hooks-proof")))
     return out
+
+
+def speculative_only(args) -> bool:
+    """True when every flag of a variant's server arguments is a speculative one: without speculation the target
+    would be served exactly as ``plain``, so a second plain server would only measure noise."""
+    flags = [a for a in args if str(a).startswith("--")]
+    return bool(flags) and all(str(a).startswith("--speculative-") for a in flags)
 
 
 def export_offbyone(drafter: str, dest: Path) -> list[int]:
@@ -357,8 +367,10 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if m.get("online_accept_length"):
             m["offline_walk_same_replies_online_rel_gap"] = abs(same - m["online_accept_length"]) / m["online_accept_length"]
     plain1 = srv.get("plain", {}).get("by_concurrency", {}).get(1, {}).get("output_tokens_per_s_median")
-    for b in plan.variants:  # the same comparison within a variant's servers (batch 1)
+    for b, args in plan.variants.items():  # the same comparison within a variant's servers (batch 1)
         p, q = (srv.get(f"{w}-{b}", {}).get("by_concurrency", {}) for w in ("plain", "main"))
+        if speculative_only(args):  # served plain as plain is
+            p = srv.get("plain", {}).get("by_concurrency", {})
         if 1 in p and 1 in q:
             sm = online.summarize(p, q, 1)
             m[f"{b}_plain_tokens_per_s"], m[f"{b}_spec_tokens_per_s"] = sm["plain_tokens_per_s"], sm["spec_tokens_per_s"]
