@@ -5,6 +5,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
+
 from eagle3kit.capture.client import CaptureClient
 from eagle3kit.capture.format import JournalTail, atomic_write, journal_path, sample_name, write_marker
 from eagle3kit.capture.rid import parse_rid
@@ -277,3 +279,62 @@ def test_a_capture_server_whose_hooks_fire_on_no_layer_is_refused_with_the_fix(t
     assert decoder_layer_template(tmp_path / "kimi") == "language_model.model.layers.{}"
     (tmp_path / "kimi" / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"]}')
     assert decoder_layer_template(tmp_path / "kimi") == "model.layers.{}"
+
+
+def _status_file(tmp_path, write_failed: int, last_error: str) -> None:
+    atomic_write(tmp_path / "_status.rank0.json",
+                 json.dumps({"rank": 0, "counts": {"write_failed": write_failed}, "last_error": last_error}).encode())
+
+
+def test_a_writer_that_cannot_write_for_a_full_disk_fails_its_captures_at_once_not_after_the_timeout(tmp_path):
+    """A full disk under SGLang's own writer (#12): the writer fails the sample's write and, when not even its
+    error marker fits, only its status says why. The client reads that (a write failure new since it started, with
+    ENOSPC) and fails the captures with errno ENOSPC, which the extraction turns into its disk-full stop; an older
+    failure, or another error, does not count (those captures wait for their timeout, as before)."""
+    import errno
+
+    _status_file(tmp_path, 1, "io: OSError: [Errno 28] No space left on device")  # before this run: not ours
+    server = stand_in_server(lambda key: None, 0.0)
+    try:
+        client = CaptureClient(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=9)
+        assert client.disk_full(1) is None and client.disk_full(0).startswith("writer rank0: io: OSError: [Errno 28]")
+        t0 = time.time()
+        (m,) = client.capture_many([("old", [1, 2])], concurrency=1)
+        assert time.time() - t0 >= 9 and "no capture marker 9 s" in m["reason"] and "errno" not in m
+        threading.Timer(0.5, _status_file, args=(tmp_path, 2, "io: OSError: [Errno 28] No space left on device")).start()
+        t0 = time.time()
+        done = client.capture_many([(f"k{i}", [1, 2]) for i in range(3)], concurrency=3)
+        took = time.time() - t0
+        _status_file(tmp_path, 3, "io: PermissionError: [Errno 13] Permission denied")  # another error: no stop
+        (other,) = client.capture_many([("perm", [1, 2])], concurrency=1)
+    finally:
+        server.shutdown()
+    assert took < 8, took  # FULL_AFTER, not the timeout
+    assert all(m["status"] == "error" and m["errno"] == errno.ENOSPC and "No space left on device" in m["reason"]
+               and "Fix: free space" in m["reason"] for m in done), done
+    assert "errno" not in other and "no capture marker 9 s" in other["reason"]
+
+
+def test_a_stopped_run_sends_no_more_requests(tmp_path):
+    """on_done raising (the extraction's disk-full stop, or Ctrl-C) ends capture_many at once: the requests not yet
+    sent are cancelled, not sent to a server whose writer cannot write them."""
+    def mark(key):
+        write_marker(tmp_path, key, 0, {"status": "ok", "key": key})
+
+    extra_keys.clear()
+    server = stand_in_server(mark, 0.05)
+
+    class Stop(Exception):
+        pass
+
+    def on_done(key, marker):
+        raise Stop
+
+    try:
+        client = CaptureClient(f"http://127.0.0.1:{server.server_port}", tmp_path, timeout=10)
+        with pytest.raises(Stop):
+            client.capture_many([(f"k{i}", [1, 2]) for i in range(200)], concurrency=2, on_done=on_done)
+        time.sleep(0.3)
+    finally:
+        server.shutdown()
+    assert len(extra_keys) < 100, len(extra_keys)  # those sent before the first marker came (~20), not 200

@@ -66,3 +66,67 @@ def test_a_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_fs, target_
     assert len(lines) == len(set(lines)) == summary["samples"]  # nothing lost, nothing twice
     assert verify(out).passed and not (out / "failures.json").exists()
     assert shutil.disk_usage(small_fs).free > 0
+
+
+def test_a_full_disk_under_the_servers_writer_fails_captures_at_once_with_enospc(small_fs):
+    """The writer SGLang's scheduler hands its copies to (``WriterProcess``, its own process, real files) on a full
+    disk: each sample's write fails, no half-written file stays, and the capture client fails the requests at once
+    with errno ENOSPC, which is what makes the extraction stop with its disk-full report (it waited 600 s per
+    request before). Two depths: a few hundred KB left (the sample does not fit, the writer's error marker does),
+    then nothing left (not even the writer's status can be written: the client sees the free space)."""
+    import torch
+
+    from eagle3kit.capture.assemble import select_rows
+    from eagle3kit.capture.client import CaptureClient
+    from eagle3kit.capture.rid import parse_rid
+    from eagle3kit.capture.writer import Job
+    from eagle3kit.capture.writer_process import WriterProcess
+    from eagle3kit.extract import _disk_full
+    from test_client import endpoint
+
+    out = small_fs / "samples"
+    out.mkdir()
+    writer = WriterProcess(out, 0, {"layer_ids": [1, 2]}, io_threads=2)
+    filler = small_fs / "filler"
+
+    def fill(leave: int):  # another process taking the space, down to ``leave`` bytes
+        with open(filler, "ab") as f:
+            try:
+                while shutil.disk_usage(small_fs).free > leave:
+                    f.write(b"\0" * min(65536, max(4096, shutil.disk_usage(small_fs).free - leave)))
+                    f.flush()
+            except OSError:
+                pass
+
+    def respond(port, method, path, body):  # SGLang's /generate, with the capture hook's hand-off to the writer
+        key, n = parse_rid(body["rid"])
+        hs = torch.randn(n, 2, 4096).bfloat16()  # 16 KB a token: a sample of 64 tokens is 1 MB
+        host = writer.host_empty(hs.shape, hs.dtype, cuda=False).copy_(hs)
+        tok = writer.host_empty((n,), torch.int64, cuda=False).copy_(torch.arange(n))
+        writer.submit(Job(select_rows([body["rid"]], [n], [0]), {"hidden_states": host, "token_ids": tok}))
+        return 200, {"meta_info": {"cached_tokens": 0}}
+
+    server = endpoint(respond)
+    runs = {}
+    try:
+        client = CaptureClient(f"http://127.0.0.1:{server.server_port}", out, timeout=120)
+        (ok,) = client.capture_many([("before", list(range(64)))], concurrency=1)  # space left: a sample
+        assert ok["status"] == "ok", ok
+        for depth, leave in (("markers fit", 256 << 10), ("nothing fits", 0)):
+            fill(leave)
+            t0 = time.time()
+            done = client.capture_many([(f"{depth[0]}{i}", list(range(64 + i))) for i in range(4)], concurrency=2)
+            runs[depth] = (time.time() - t0, done, writer.flush())
+    finally:
+        server.shutdown()
+        writer.close()
+    took, done, st = runs["markers fit"]
+    assert took < 10, took  # the markers came at once
+    assert all(m["status"] == "error" and _disk_full(m) and "the capture writer could not write" in m["reason"]
+               for m in done), done
+    assert st["counts"].get("write_failed", 0) == 4 and "No space left on device" in st["last_error"], st
+    took, done, _ = runs["nothing fits"]
+    assert took < 30, took  # FULL_AFTER, not the 120-s timeout
+    assert all(m["status"] == "error" and _disk_full(m) and "bytes free" in m["reason"] for m in done), done
+    assert not list(small_fs.rglob("*.tmp")), list(small_fs.rglob("*.tmp"))  # no half-written file
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["before.rank0.safetensors"]  # what was written stays

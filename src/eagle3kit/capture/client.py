@@ -2,6 +2,8 @@
 many requests in flight, and knows a capture is finished when its marker file appears."""
 from __future__ import annotations
 
+import errno
+import shutil
 import threading
 import time
 import uuid
@@ -13,6 +15,8 @@ from eagle3kit.capture.rid import RID_PREFIX, make_rid
 
 
 GONE_AFTER = 3.0  # seconds an answered capture waits for its marker before the server's liveness is checked
+FULL_AFTER = 5.0  # ... before the capture folder's disk is checked (a writer that cannot write leaves no marker)
+FULL_BELOW = 1 << 20  # bytes free under which that disk counts as full (no marker, not even the writer's status, fits)
 
 
 class CaptureError(RuntimeError):
@@ -129,46 +133,79 @@ class CaptureClient:
             if on_done:
                 on_done(key, marker)
 
+        write_failed_before = _write_failures(self.status())
         with ThreadPoolExecutor(concurrency, thread_name_prefix="e3k-post") as posts:
             keys = set()
             for key, ids in items:
                 self.clear(key)  # here, not in the request threads: a slot only ever waits on the server
                 keys.add(key)
                 posts.submit(post, key, ids)
-            checked = time.time()
-            while len(results) < len(keys):
-                for m in tail.read():
-                    if m.get("key") in keys:
-                        journal[m["key"]] = m
-                with lock:
-                    failed, failures[:] = failures[:], []
-                    ready = [(k, answered.pop(k)[1]) for k in list(journal) if k in answered]
-                for m in failed:
-                    finish(m["key"], m)
-                for key, answer in ready:
-                    finish(key, _answered(journal.pop(key), answer))
-                now = time.time()
-                if now - checked > 1.0:  # the slow path: markers the journal did not list
-                    checked = now
+            try:
+                checked = time.time()
+                while len(results) < len(keys):
+                    for m in tail.read():
+                        if m.get("key") in keys:
+                            journal[m["key"]] = m
                     with lock:
-                        late = [(k, t, a) for k, (t, a) in answered.items() if now - t > 1.0]
-                    gone = self.unreachable() if any(now - t > GONE_AFTER for _, t, _ in late) else None
-                    for key, t, answer in late:
-                        m = read_marker(self.capture_dir, key, self.rank)
-                        if m is None and gone and now - t > GONE_AFTER:  # its writer died with it: no marker comes
-                            m = {"status": "error", "key": key, "reason": f"no capture marker, and the server is gone "
-                                 f"({gone}): it stopped after answering. Fix: restart it and capture again (a resume "
-                                 f"of the extraction does)"}
-                        if m is None and now - t > self.timeout:
-                            m = {"status": "error", "key": key, "reason": f"no capture marker {self.timeout:.0f} s "
-                                 f"after SGLang answered; server status: {self.status()}"}
-                        if m is not None:
+                        failed, failures[:] = failures[:], []
+                        ready = [(k, answered.pop(k)[1]) for k in list(journal) if k in answered]
+                    for m in failed:
+                        finish(m["key"], m)
+                    for key, answer in ready:
+                        finish(key, _answered(journal.pop(key), answer))
+                    now = time.time()
+                    if now - checked > 1.0:  # the slow path: markers the journal did not list
+                        checked = now
+                        with lock:
+                            late = [(k, t, a) for k, (t, a) in answered.items() if now - t > 1.0]
+                        for key, m in self._late_markers(late, now, write_failed_before):
                             with lock:
                                 answered.pop(key, None)
-                            finish(key, _answered(m, answer))
-                if not (failed or ready):
-                    time.sleep(poll)
+                            finish(key, m)
+                    if not (failed or ready):
+                        time.sleep(poll)
+            except BaseException:  # on_done stopped the run (a full disk, Ctrl-C): send nothing more
+                posts.shutdown(wait=False, cancel_futures=True)
+                raise
         return results
+
+    def _late_markers(self, late, now: float, write_failed_before: int) -> list[tuple[str, dict]]:
+        """(key, marker) for the answered captures of ``late`` (key, when answered, answer) that the journal did not
+        list: the marker file, or an error when none can come (the server is gone, the disk is full) or the
+        timeout has passed; captures still within their time are left to wait."""
+        gone = self.unreachable() if any(now - t > GONE_AFTER for _, t, _ in late) else None
+        full = self.disk_full(write_failed_before) if any(now - t > FULL_AFTER for _, t, _ in late) else None
+        out = []
+        for key, t, answer in late:
+            m = read_marker(self.capture_dir, key, self.rank)
+            if m is None and gone and now - t > GONE_AFTER:  # its writer died with it: no marker comes
+                m = {"status": "error", "key": key, "reason": f"no capture marker, and the server is gone ({gone}): it "
+                     f"stopped after answering. Fix: restart it and capture again (a resume of the extraction does)"}
+            if m is None and full and now - t > FULL_AFTER:  # nothing can be written: no marker comes
+                m = {"status": "error", "key": key, "errno": errno.ENOSPC,
+                     "reason": f"no capture marker: No space left on device ({full}). Fix: free space in "
+                               f"{self.capture_dir}, then capture again (a resume of the extraction does)"}
+            if m is None and now - t > self.timeout:
+                m = {"status": "error", "key": key, "reason": f"no capture marker {self.timeout:.0f} s after SGLang "
+                     f"answered; server status: {self.status()}"}
+            if m is not None:
+                out.append((key, _answered(m, answer)))
+        return out
+
+    def disk_full(self, write_failed_before: int = 0) -> str | None:
+        """Why the capture folder's disk counts as full, or None: a writer failed a write with ENOSPC since
+        ``write_failed_before`` (its status says so), or too little is free for even a marker to be written."""
+        statuses = self.status()
+        if _write_failures(statuses) > write_failed_before:
+            for name, st in statuses.items():
+                err = str(st.get("last_error") or "")
+                if "No space left on device" in err or f"[Errno {errno.ENOSPC}]" in err:
+                    return f"writer {name}: {err.splitlines()[0][:300]}"
+        try:
+            free = shutil.disk_usage(self.capture_dir).free
+        except OSError:
+            return None
+        return f"{free:,} bytes free" if free < FULL_BELOW else None
 
     def unreachable(self) -> str | None:
         """Why none of this client's servers accepts a connection any more (None: one does). A TCP connect, not an
@@ -189,6 +226,11 @@ class CaptureClient:
     def status(self) -> dict:
         """Each writer's status: ``rank<r>``, or ``dp<d>.rank<r>`` per worker of a ``--dp N`` server."""
         return read_statuses(self.capture_dir)
+
+
+def _write_failures(statuses: dict) -> int:
+    """Writes the writers of a capture folder failed so far (their status files)."""
+    return sum(int(st.get("counts", {}).get("write_failed", 0)) for st in statuses.values())
 
 
 def _answered(marker: dict, answer: dict) -> dict:

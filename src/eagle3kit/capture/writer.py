@@ -116,8 +116,19 @@ class CaptureWriter:
                         on_done=lambda: self._release(job, writes))
 
     def _write(self, key, rid, chunks, tensors):
-        write_sample(self.out_dir, key, self.rank, tensors, self.metadata, self.storage,
-                     extra_marker={"rid": rid, "chunks": chunks})
+        try:
+            write_sample(self.out_dir, key, self.rank, tensors, self.metadata, self.storage,
+                         extra_marker={"rid": rid, "chunks": chunks})
+        except OSError as e:  # a full disk, say: the client hears it from the marker now, not after its timeout
+            self.note("write_failed")
+            try:  # the sample's partial file is gone already (write_safetensors), so a small marker usually fits
+                write_marker(self.out_dir, key, self.rank,
+                             {"status": "error", "key": key, "rid": rid, "rank": self.rank, "errno": e.errno,
+                              "reason": f"the capture writer could not write the sample: {type(e).__name__}: {e}",
+                              "time": time.time()})
+            except OSError:
+                pass  # nothing fits: the client reads the writer's status and the free space instead
+            raise  # counted as an error, and last_error in the status names it
         self.note("written")
 
     def _submit_io(self, fn, *args, on_done=None):
