@@ -10,6 +10,9 @@ kill_duplicated, kill_verified), so the record holds what ran, and asserts them.
   * kill -9: ``eagle3kit extract --engine sglang`` (its own server), the server's process group killed with SIGKILL
     once some samples are done, then the same command again: every sample exactly once, the ones done before the
     kill unchanged, the data set verified.
+  * disk full: the same extraction into a tmpfs that another writer fills once some samples are done: SGLang's own
+    writer fails its writes, the extraction stops within seconds with its disk-full report (exit 1, no temporary
+    file left), and once the space is freed the same command completes: nothing lost, nothing twice, verified.
 """
 import json
 import os
@@ -143,6 +146,67 @@ def test_kill9_server_mid_extraction_then_resume(tmp_path):
     assert 0 < killed_at < expected and len(keys) == len(set(keys)) == expected
     assert all(k in after and after[k]["sha256"] == h for k, h in before.items())
     assert report.passed
+
+
+def test_disk_full_under_the_servers_writer_then_resume(tmp_path):
+    from eagle3kit.store import read_manifest, verify
+
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4g", "tmpfs", str(fs)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
+    try:
+        out, filler = fs / "data", fs / "filler"
+        cmd = [sys.executable, "-m", "eagle3kit.cli", "extract", "--engine", "sglang", "--out", str(out),
+               "--max-samples", "600", "--max-tokens", "1024", "--concurrency", "8", "--port", "30961",
+               "--server-args", *SERVER_ARGS]
+        log = open(tmp_path / "first.log", "w")
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 600
+        while time.time() < deadline and p.poll() is None and len(read_manifest(out)) < 40:
+            time.sleep(0.05)
+        assert p.poll() is None, "extraction ended before the disk filled (log: first.log)"
+        full_at, t_full = len(read_manifest(out)), time.time()
+        with open(filler, "wb") as f:  # every byte left, as another process filling the disk would
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+            except OSError:
+                pass
+        try:
+            first_rc = p.wait(600)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            first_rc = "hung: killed after 600 s"
+        stop_s = time.time() - t_full
+        log.close()
+        first = (tmp_path / "first.log").read_text()
+        kept = read_manifest(out)
+        tmp_left = [str(x) for x in fs.rglob("*.tmp")]
+        filler.unlink()  # space freed: the same command resumes
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+        (tmp_path / "second.log").write_text(r.stdout[-20000:] + r.stderr[-20000:])
+        m = json.loads((out / "metrics.json").read_text()) if (out / "metrics.json").exists() else {}
+        keys = [json.loads(x)["key"] for x in (out / "manifest.jsonl").read_text().splitlines() if x.strip()]
+        after, expected, report = read_manifest(out), m.get("dataset_samples", 0), verify(out)
+        lost = max(0, expected - len(set(keys))) + sum(k not in after for k in kept)
+        _record(diskfull_done_before=full_at, diskfull_client_exit=first_rc, diskfull_seconds_to_stop=round(stop_s, 1),
+                diskfull_kept=len(kept), diskfull_tmp_left=len(tmp_left), diskfull_resume_exit=r.returncode,
+                diskfull_samples=expected, diskfull_lost=lost, diskfull_duplicated=len(keys) - len(set(keys)),
+                diskfull_verified=bool(report.passed))
+        rec = Path(os.environ.get("E3K_TEST_OUT", tmp_path))
+        for name in ("first.log", "second.log"):  # the record keeps what the user saw
+            (rec / f"diskfull-{name}").write_text((tmp_path / name).read_text()[-20000:])
+        assert first_rc == 1 and "the disk is full" in first and "Traceback" not in first, first[-3000:]
+        assert stop_s < 120, stop_s  # not 600 s per request in flight
+        assert not tmp_left, tmp_left
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert len(keys) == len(set(keys)) == expected
+        assert all(after[k]["sha256"] == e["sha256"] for k, e in kept.items())
+        assert report.passed
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], capture_output=True)
 
 
 def test_an_exception_in_the_hook_fails_its_requests_and_the_retry_captures_them(tmp_path, tokenizer, target_path):
