@@ -27,6 +27,9 @@
 # (gpu-drafter-pipeline-8/tests: the eager layers' loss and gradients within 0.25 %); its speed A/B is still to run
 # (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20, ~2 min), then the
 # training with E3K_TRAIN_SETS="--set 04_train.compile_layers=true" if it is faster (eager again if its trial fails).
+# Not yet run on a GPU (2026-12-02): the full disk under SGLang's own writer (faults, E3K_FAULTS_K=disk_full
+# E3K_FAULTS_TRIAL=0: two server starts and a 600-sample extraction into a tmpfs, a few minutes), e.g. beside the
+# training as train+faults@20 (its server takes --mem-fraction-static 0.25 of what the trainer leaves).
 # Poll back to back: the machine is taken back ~30 s after a call returns, chain and data with it (2026-12-01: a
 # poll started late lost a training at 52 % and the serve phase; later a transient error on the caller's side lost a
 # fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash
