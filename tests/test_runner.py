@@ -1,5 +1,6 @@
 """The papermill runner: real execution of small notebooks, parameter validation, failing cells, metrics."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -38,7 +39,10 @@ def write_params(project, text):
     return p
 
 
-def test_papermill_executes_and_records_metrics(project, monkeypatch, tmp_path_factory):
+def test_papermill_executes_and_records_metrics(project, monkeypatch, tmp_path_factory, caplog):
+    import re
+
+    caplog.set_level(logging.INFO, logger="papermill")
     p = write_params(project, "experiment: e\nsteps: [a_square]\nnotebooks:\n  a_square: {n: 7}\n")
     scratch = tmp_path_factory.mktemp("scratch")
     monkeypatch.setenv("TMPDIR", str(scratch))
@@ -52,6 +56,8 @@ def test_papermill_executes_and_records_metrics(project, monkeypatch, tmp_path_f
     executed = nbformat.read(out / "a_square" / "a_square.ipynb", as_version=4)
     assert any("squared 7" in o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs)
     assert "n: 7" in (out / "params.yaml").read_text()
+    cells = [r.getMessage() for r in caplog.records if "Cell" in r.getMessage()]  # dated: where a step's time went
+    assert cells and all(re.match(r"\d\d:\d\d:\d\d (Executing|Ending) Cell \d", c) for c in cells), cells
 
 
 @pytest.mark.parametrize("text,match", [

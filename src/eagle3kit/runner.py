@@ -184,6 +184,17 @@ def merged_metrics(run_dir: Path, status: dict) -> dict:
     return merged
 
 
+class CellClock(logging.Filter):
+    """papermill's "Executing Cell N" and "Ending Cell N" lines with the wall clock (UTC): where a step's time went,
+    and which cell a time limit cut (gpu-drafter-pipeline-7 and -8: 03 cut twice in a cell its log could not date)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith(("Executing Cell", "Ending Cell")):
+            record.msg = f"{time.strftime('%H:%M:%S', time.gmtime(record.created))} {msg}"
+        return True
+
+
 def run(params_file, notebooks_dir=None, only=None, overrides=(), run_dir=None) -> Path:
     params_file = Path(params_file)
     if notebooks_dir is None:
@@ -192,5 +203,8 @@ def run(params_file, notebooks_dir=None, only=None, overrides=(), run_dir=None) 
     notebooks_dir = Path(notebooks_dir).resolve()
     plan = plan_run(params_file, notebooks_dir, only=only, overrides=overrides)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("papermill").setLevel(logging.INFO)
+    pm_log = logging.getLogger("papermill")
+    pm_log.setLevel(logging.INFO)
+    if not any(isinstance(f, CellClock) for f in pm_log.filters):
+        pm_log.addFilter(CellClock())
     return execute(plan, notebooks_dir, run_dir=run_dir, cwd=notebooks_dir.parent)
