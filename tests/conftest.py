@@ -1,6 +1,9 @@
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@contextmanager
+def tmpfs(where: Path, size: str):
+    """A filesystem of ``size`` of the test's own at ``where`` (made), for the full-disk tests; skips the test
+    without root or CAP_SYS_ADMIN (what mount needs)."""
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): needs root or CAP_SYS_ADMIN")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill_disk(filler: Path, leave: int = 0) -> None:
+    """Take the free space of ``filler``'s filesystem down to ``leave`` bytes (0: every byte), as another process
+    filling the disk would."""
+    with open(filler, "ab") as f:
+        try:
+            while (free := shutil.disk_usage(filler.parent).free) > leave:
+                f.write(b"\0" * min(1 << 20, max(4096, free - leave)))
+                f.flush()
+        except OSError:
+            pass
 
 
 _SESSION: dict = {}

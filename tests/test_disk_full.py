@@ -12,19 +12,13 @@ import time
 import pytest
 
 from eagle3kit.store import read_manifest, verify
+from tests.conftest import fill_disk, tmpfs
 
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): needs root or CAP_SYS_ADMIN")
-    try:
+    with tmpfs(tmp_path / "fs", "24m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_fs, target_path):
@@ -38,12 +32,7 @@ def test_a_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_fs, target_
         deadline = time.time() + 600
         while time.time() < deadline and len(list((out / "samples").glob("*.safetensors"))) < 2:
             time.sleep(0.02)
-        with open(filler, "wb") as f:  # every byte left, as another process filling the disk would
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-            except OSError:
-                pass
+        fill_disk(filler)
 
     t = threading.Thread(target=fill_after_two_samples, daemon=True)
     t.start()
@@ -89,15 +78,6 @@ def test_a_full_disk_under_the_servers_writer_fails_captures_at_once_with_enospc
     writer = WriterProcess(out, 0, {"layer_ids": [1, 2]}, io_threads=2)
     filler = small_fs / "filler"
 
-    def fill(leave: int):  # another process taking the space, down to ``leave`` bytes
-        with open(filler, "ab") as f:
-            try:
-                while shutil.disk_usage(small_fs).free > leave:
-                    f.write(b"\0" * min(65536, max(4096, shutil.disk_usage(small_fs).free - leave)))
-                    f.flush()
-            except OSError:
-                pass
-
     def respond(port, method, path, body):  # SGLang's /generate, with the capture hook's hand-off to the writer
         key, n = parse_rid(body["rid"])
         hs = torch.randn(n, 2, 4096).bfloat16()  # 16 KB a token: a sample of 64 tokens is 1 MB
@@ -113,7 +93,7 @@ def test_a_full_disk_under_the_servers_writer_fails_captures_at_once_with_enospc
         (ok,) = client.capture_many([("before", list(range(64)))], concurrency=1)  # space left: a sample
         assert ok["status"] == "ok", ok
         for depth, leave in (("markers fit", 256 << 10), ("nothing fits", 0)):
-            fill(leave)
+            fill_disk(filler, leave)
             t0 = time.time()
             done = client.capture_many([(f"{depth[0]}{i}", list(range(64 + i))) for i in range(4)], concurrency=2)
             runs[depth] = (time.time() - t0, done, writer.flush())

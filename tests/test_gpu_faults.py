@@ -150,13 +150,9 @@ def test_kill9_server_mid_extraction_then_resume(tmp_path):
 
 def test_disk_full_under_the_servers_writer_then_resume(tmp_path):
     from eagle3kit.store import read_manifest, verify
+    from tests.conftest import fill_disk, tmpfs
 
-    fs = tmp_path / "fs"
-    fs.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4g", "tmpfs", str(fs)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()})")
-    try:
+    with tmpfs(tmp_path / "fs", "4g") as fs:
         out, filler = fs / "data", fs / "filler"
         cmd = [sys.executable, "-m", "eagle3kit.cli", "extract", "--engine", "sglang", "--out", str(out),
                "--max-samples", "600", "--max-tokens", "1024", "--concurrency", "8", "--port", "30961",
@@ -168,12 +164,7 @@ def test_disk_full_under_the_servers_writer_then_resume(tmp_path):
             time.sleep(0.05)
         assert p.poll() is None, "extraction ended before the disk filled (log: first.log)"
         full_at, t_full = len(read_manifest(out)), time.time()
-        with open(filler, "wb") as f:  # every byte left, as another process filling the disk would
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-            except OSError:
-                pass
+        fill_disk(filler)
         try:
             first_rc = p.wait(600)
         except subprocess.TimeoutExpired:
@@ -205,8 +196,6 @@ def test_disk_full_under_the_servers_writer_then_resume(tmp_path):
         assert len(keys) == len(set(keys)) == expected
         assert all(after[k]["sha256"] == e["sha256"] for k, e in kept.items())
         assert report.passed
-    finally:
-        subprocess.run(["umount", "-l", str(fs)], capture_output=True)
 
 
 def test_an_exception_in_the_hook_fails_its_requests_and_the_retry_captures_them(tmp_path, tokenizer, target_path):
