@@ -20,7 +20,8 @@
 # (E3K_TRAIN_MINUTES=8, or what /root/e3k-train-minutes says when the phase starts: write it from a poll once the data
 # phase's end and the budget left are known), then serve. Measured 2026-12-02 (gpu-drafter-pipeline-8): data 543 s with
 # the compiled-layers GPU test beside it, still cut in 03's reference spot check at its 520-s limit (7,591 samples;
-# the capture server stopped 84 s before the limit, and cell 6's checks took part of that), give it 560; training of
+# the capture server stopped 84 s before the limit, and the resume check's 35-GB verify took part of that; the
+# spot check now runs before the resume check), give it 560; training of
 # 8 min, 435 s; serve with 9 servers and 16/32/64 prompts, 289 s complete (servers healthy after 91 s), give it 330.
 # Those ~150 s saved buy ~2 more minutes of training (tau(3): 3.029 after 8 min, 3.167 after 9 in -7).
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. The trainer's compile_layers passed its GPU test
