@@ -458,6 +458,70 @@ def _measured(tps, accepts=None):
                 "output_tokens_per_s_min": min(tps), "output_tokens_per_s_max": max(tps)}}
 
 
+def _per_request(*rounds):
+    """A concurrency's measurement from per-request (verifies, correct drafts), one list per round."""
+    return {"rounds": [{"per_request": [list(x) for x in r]} for r in rounds]}
+
+
+def test_the_accept_length_interval_is_as_wide_as_the_prompts_differ():
+    """The bootstrap interval over prompts: none wide when every prompt accepts alike, around the pooled figure when
+    they differ (the gpu-drafter-pipeline-8 main server's own 16 prompts: 2.34 in about [2.02, 2.68]), narrower with
+    more prompts of the same kind, the rounds summed per prompt; None without per-request counts."""
+    same = _per_request([(10, 20)] * 16)
+    assert online.accept_interval(same) == pytest.approx((3.0, 3.0))
+    main8 = [(68, 187), (24, 53), (116, 139), (52, 60), (32, 35), (114, 143), (36, 24), (9, 8), (49, 22), (18, 9),
+             (43, 27), (149, 109), (110, 120), (89, 167), (83, 174), (87, 169)]
+    lo, hi = online.accept_interval(_per_request(main8))
+    pooled = 1 + sum(c for _, c in main8) / sum(v for v, _ in main8)
+    assert lo < pooled < hi and 1.9 < lo < 2.15 and 2.55 < hi < 2.8, (lo, pooled, hi)
+    lo4, hi4 = online.accept_interval(_per_request(main8 * 4))
+    assert hi4 - lo4 < 0.6 * (hi - lo)  # four times the prompts: about half the width
+    assert online.accept_interval(_per_request(main8[:8], main8[:8])) == online.accept_interval(
+        _per_request([(2 * v, 2 * c) for v, c in main8[:8]]))  # two rounds are summed per prompt
+    assert online.accept_interval({"rounds": [{"accept_length": 2.0}]}) is None
+
+
+def test_the_paired_cost_interval_tells_a_real_cost_from_the_prompts_spread():
+    """main - control on the same prompts, resampled together: a control that accepts one draft fewer on every
+    prompt costs about that much with an interval clear of 0, while a control that differs from main only by
+    shuffling which prompts do well straddles 0; the unpaired intervals of both overlap main's."""
+    base = [(40, 40 + 10 * i) for i in range(16)]  # per-prompt accept lengths 2.0 to 4.75
+    main = _per_request(base)
+    worse = _per_request([(v, c - 8) for v, c in base])  # 8 correct drafts fewer of every 40 verifies: -0.2
+    lo, hi = online.accept_difference_interval(main, worse)
+    assert 0.19 < lo <= hi < 0.21, (lo, hi)
+    shuffled = _per_request(base[::-1])
+    lo, hi = online.accept_difference_interval(main, shuffled)
+    assert lo < 0 < hi
+    m_lo, m_hi = online.accept_interval(main)
+    w_lo, w_hi = online.accept_interval(worse)
+    assert w_hi > m_lo  # alone, the two intervals overlap: only pairing shows the cost
+    assert online.accept_difference_interval(main, {"rounds": []}) is None
+
+
+def test_experiment_summary_reports_the_intervals(tmp_path):
+    """The summary carries main's interval at batch 1, each setting's, and each control's paired cost against main
+    (not for the sweep and the trees: other settings, not mistakes)."""
+    from eagle3kit.acceptance import experiment
+
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", controls={"engine": "e"}, sweep_steps=(3, 5),
+                                 trees=(), concurrencies=(1,), proof=False)
+    base = [(40, 40 + 10 * i) for i in range(16)]
+
+    def srv(tps, rows):
+        d = _measured([tps], [1 + sum(c for _, c in rows) / sum(v for v, _ in rows)])
+        d[1]["rounds"][0]["per_request"] = [list(x) for x in rows]
+        return {"by_concurrency": d}
+    servers = {"plain": {"by_concurrency": _measured([100.0])}, "main": srv(120.0, base),
+               "steps5": srv(110.0, [(v, c + 4) for v, c in base]), "engine": srv(90.0, [(v, c - 8) for v, c in base]),
+               "offbyone": srv(95.0, [(v, c - 4) for v, c in base])}
+    m = experiment.summarize(plan, {"servers": servers}, {}, {})
+    assert m["online_accept_length_ci95_low"] < m["online_accept_length"] < m["online_accept_length_ci95_high"]
+    assert m["engine_accept_cost_ci95_low"] == pytest.approx(0.2, abs=0.01)
+    assert 0.09 < m["negative_control_accept_cost_ci95_low"] <= m["negative_control_accept_cost_ci95_high"] < 0.11
+    assert "steps5_accept_length_ci95_low" in m and "steps5_accept_cost_ci95_low" not in m
+
+
 def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
     """Each server's concurrencies get one untimed pass first (an EAGLE server's first batch of a new size is slow:
     records gpu-drafter-pipeline-3 and -6, 37-38 %), then round r times every server in turn, forward on even rounds

@@ -19,15 +19,16 @@ from pathlib import Path
 
 COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage", "train_loss", "train_ttt_steps",
            "train_lm_head", "train_samples", "train_tokens", "train_acc_pos0", "baseline_acc_pos0", "offline_tau",
-           "offline_walk_accept_length", "offline_walk_same_replies", "online_accept_length", "online_speedup", "breakeven_accept_length",
-           "online_best_setting", "online_best_speedup", "negative_control_accept_length",
-           "engine_control_accept_length", "fp8_accept_rel_diff"]
+           "offline_walk_accept_length", "offline_walk_same_replies", "online_accept_length",
+           "online_accept_length_ci95_low", "online_accept_length_ci95_high", "online_speedup",
+           "breakeven_accept_length", "online_best_setting", "online_best_speedup", "negative_control_accept_length",
+           "negative_control_accept_cost_ci95_low", "engine_control_accept_length", "fp8_accept_rel_diff"]
 
 
 BARS = [("offline_tau", "offline tau (3 steps)"),
         ("offline_walk_accept_length", "offline walk, held out (3 steps)"),
         ("offline_walk_same_replies", "offline walk, online's replies"),
-        ("online_accept_length", "online accept length (3 steps)")]
+        ("online_accept_length", "online accept length (3 steps), 95 % over prompts")]
 
 
 def _row(path: Path) -> dict | None:
@@ -101,8 +102,16 @@ def plot(rows: list[dict], path=None):
     bars = [(k, label) for k, label in BARS if any(isinstance(r.get(k), (int, float)) for r in rows)]
     width = 0.8 / max(1, len(bars))
     for j, (k, label) in enumerate(bars):
-        c.bar([i - 0.4 + (j + 0.5) * width for i in range(len(rows))],
-              [r.get(k) if isinstance(r.get(k), (int, float)) else 0 for r in rows], width, label=label)
+        vals = [r.get(k) if isinstance(r.get(k), (int, float)) else 0 for r in rows]
+        err = None
+        if k == "online_accept_length":  # the prompts' 95 % interval, where the run has one
+            lo = [v - r.get("online_accept_length_ci95_low", v) for v, r in zip(vals, rows)]
+            hi = [r.get("online_accept_length_ci95_high", v) - v for v, r in zip(vals, rows)]
+            err = [lo, hi] if any(lo) or any(hi) else None
+        c.bar([i - 0.4 + (j + 0.5) * width for i in range(len(rows))], vals, width, label=label, yerr=err, capsize=3)
+    top = max([r.get(k) for r in rows for k, _ in bars if isinstance(r.get(k), (int, float))]
+              + [r.get("online_accept_length_ci95_high", 0) for r in rows] + [1.0])
+    c.set_ylim(0, 1.45 * top)  # room above the bars for the legend
     c.set_xticks(list(range(len(rows))), names, rotation=30, ha="right", fontsize=7)
     c.set(ylabel="tokens per verify", title="offline vs online by run")
     for ax in axes:
@@ -118,21 +127,21 @@ def controls_plot(m: dict, title: str, path=None):
     """One run's accept length per experiment: the trained drafter against each mistake."""
     import matplotlib.pyplot as plt
 
-    items = [("trained (SGLang states)", m.get("online_accept_length")),
-             ("layer ids off by one", m.get("negative_control_accept_length")),
-             ("final slot post-norm", m.get("postnorm_accept_length")),
-             ("states from transformers", m.get("engine_accept_length")),
-             ("fp8 storage", m.get("fp8_accept_length")),
-             ("original replies", m.get("original_accept_length")),
-             ("lm_head frozen", m.get("frozen_head_accept_length"))]
-    items = [(k, v) for k, v in items if v is not None]
+    keys = [("trained (SGLang states)", "online"), ("layer ids off by one", "negative_control"),
+            ("final slot post-norm", "postnorm"), ("states from transformers", "engine"), ("fp8 storage", "fp8"),
+            ("original replies", "original"), ("lm_head frozen", "frozen_head")]
+    items = [(label, m[f"{k}_accept_length"], m.get(f"{k}_accept_length_ci95_low"),
+              m.get(f"{k}_accept_length_ci95_high")) for label, k in keys if m.get(f"{k}_accept_length") is not None][::-1]
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1], color="#4c72b0")
+    err = [[v - (lo if lo is not None else v) for _, v, lo, _ in items],
+           [(hi if hi is not None else v) - v for _, v, _, hi in items]]
+    ax.barh([k for k, *_ in items], [v for _, v, *_ in items], color="#4c72b0",
+            xerr=err if any(err[0]) or any(err[1]) else None, capsize=3)
     if m.get("breakeven_accept_length"):
         ax.axvline(m["breakeven_accept_length"], color="#c44e52", ls="--", lw=1, label="break-even (batch 1)")
         ax.legend(fontsize=7)
     ax.axvline(1.0, color="grey", ls=":", lw=1)
-    ax.set_xlabel("online accept length in SGLang (3 steps, topk 1, 4 draft tokens)")
+    ax.set_xlabel("online accept length in SGLang (3 steps, topk 1, 4 draft tokens; 95 % over prompts)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     if path:

@@ -346,6 +346,9 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                 m[f"{who}_tokens_per_s{sfx}_spread"] = online.spread(srv[who]["by_concurrency"][conc])
             if conc == 1 and sm.get("breakeven_accept_length"):
                 m["breakeven_accept_length"] = sm["breakeven_accept_length"]
+        ci = online.accept_interval(srv["main"]["by_concurrency"][1])
+        if ci:  # how far batch 1's prompts pin the accept length down
+            m["online_accept_length_ci95_low"], m["online_accept_length_ci95_high"] = ci
         r1 = srv["main"]["by_concurrency"][1]["rounds"]
         sa = [r["server_accept_length"] for r in r1 if r.get("server_accept_length") is not None]
         if sa:
@@ -385,6 +388,13 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         key = {"offbyone": "negative_control"}.get(name, name)
         if a is not None:
             m[f"{key}_accept_length"] = a
+        ci = online.accept_interval(r["by_concurrency"][1])
+        if ci:
+            m[f"{key}_accept_length_ci95_low"], m[f"{key}_accept_length_ci95_high"] = ci
+        if "main" in srv and not name.startswith(("steps", "tree")):  # a control (a mistake) at main's setting
+            d = online.accept_difference_interval(srv["main"]["by_concurrency"].get(1, {}), r["by_concurrency"][1])
+            if d:  # main minus this drafter on the same prompts: above 0 when the cost exceeds the prompts' spread
+                m[f"{key}_accept_cost_ci95_low"], m[f"{key}_accept_cost_ci95_high"] = d
         tps = r["by_concurrency"][1]["output_tokens_per_s_median"]
         m[f"{key}_tokens_per_s_spread"] = online.spread(r["by_concurrency"][1])
         if plain1:
