@@ -766,3 +766,28 @@ def test_outputs_compared_to_plain_by_identity_and_common_prefix():
     assert m["main"] == {"identical": 0.5, "common_prefix": pytest.approx((1 + 0.5) / 2)}
     assert m["bad"]["identical"] == pytest.approx(1 / 3)
     assert m["bad"]["common_prefix"] == pytest.approx((0 + 4 / 5 + 1) / 3)
+
+
+def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
+    """compare.plot: the online bar of a run with an interval carries it as an error bar, a run without one gets
+    none (no zero-length bar at 0); the offline walk is drawn beside tau. controls_plot: each experiment's interval."""
+    import matplotlib
+    matplotlib.use("Agg")
+
+    with_ci = {"run": "a", "offline_tau": 3.0, "offline_walk_accept_length": 2.7, "online_accept_length": 2.3,
+               "online_accept_length_ci95_low": 2.0, "online_accept_length_ci95_high": 2.7,
+               "offline_walk_accept_length_1": 1.8, "offline_walk_accept_length_3": 2.7}
+    fig = compare.plot([with_ci, {"run": "b", "offline_tau": 2.0, "online_accept_length": 1.9}], tmp_path / "c.png")
+    c = fig.axes[2]
+    bars = [coll for coll in c.collections if coll.get_segments()]  # the error bars' line segments
+    segs = [s for coll in bars for s in coll.get_segments() if len(s)]
+    assert len(segs) == 1 and [round(y, 3) for y in (segs[0][0][1], segs[0][1][1])] == [2.0, 2.7], segs
+    assert any(line.get_label() == "a offline walk" for line in fig.axes[0].get_lines())
+    m = {"online_accept_length": 2.3, "online_accept_length_ci95_low": 2.0, "online_accept_length_ci95_high": 2.7,
+         "negative_control_accept_length": 2.1, "negative_control_accept_length_ci95_low": 1.9,
+         "negative_control_accept_length_ci95_high": 2.4, "breakeven_accept_length": 2.7}
+    fig = compare.controls_plot(m, "t", tmp_path / "k.png")
+    xs = sorted(tuple(round(p[0], 3) for p in s) for coll in fig.axes[0].collections for s in coll.get_segments()
+                if len(s))
+    assert xs == [(1.9, 2.4), (2.0, 2.7)], xs
+    assert (tmp_path / "c.png").exists() and (tmp_path / "k.png").exists()

@@ -104,10 +104,10 @@ def plot(rows: list[dict], path=None):
     for j, (k, label) in enumerate(bars):
         vals = [r.get(k) if isinstance(r.get(k), (int, float)) else 0 for r in rows]
         err = None
-        if k == "online_accept_length":  # the prompts' 95 % interval, where the run has one
-            lo = [v - r.get("online_accept_length_ci95_low", v) for v, r in zip(vals, rows)]
-            hi = [r.get("online_accept_length_ci95_high", v) - v for v, r in zip(vals, rows)]
-            err = [lo, hi] if any(lo) or any(hi) else None
+        if k == "online_accept_length" and any("online_accept_length_ci95_low" in r for r in rows):
+            nan = float("nan")  # the prompts' 95 % interval, where the run has one (no bar drawn where it has none)
+            err = [[v - r.get("online_accept_length_ci95_low", nan) for v, r in zip(vals, rows)],
+                   [r.get("online_accept_length_ci95_high", nan) - v for v, r in zip(vals, rows)]]
         c.bar([i - 0.4 + (j + 0.5) * width for i in range(len(rows))], vals, width, label=label, yerr=err, capsize=3)
     top = max([r.get(k) for r in rows for k, _ in bars if isinstance(r.get(k), (int, float))]
               + [r.get("online_accept_length_ci95_high", 0) for r in rows] + [1.0])

@@ -211,6 +211,7 @@ def _per_prompt(measured: dict) -> list[tuple[int, int]]:
 
 
 def _pooled(per, idx) -> float | None:
+    """The accept length of the prompts ``idx`` of ``per`` ((verifies, correct drafts) each), token-weighted."""
     v = sum(per[i][0] for i in idx)
     return 1 + sum(per[i][1] for i in idx) / v if v else None
 
@@ -265,8 +266,7 @@ def accept_on_first(measured: dict, n: int) -> float | None:
     concurrency on the prompts batch 1 used, it tells a concurrency's effect from the prompts' (batch 1 took 8, and
     8 and 32 took 32 and 64 of them: 2.38 against 1.97 and 2.08 in gpu-drafter-pipeline-6)."""
     rows = (measured.get("rounds") or [{}])[0].get("per_request", [])[:n]
-    v = sum(r[0] for r in rows)
-    return (v + sum(r[1] for r in rows)) / v if v else None
+    return _pooled(rows, range(len(rows)))
 
 
 def breakeven(accept: float, speedup: float) -> float | None:

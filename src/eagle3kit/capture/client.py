@@ -110,7 +110,9 @@ class CaptureClient:
         ring's back-pressure). This thread clears earlier captures before sending and collects the markers from
         the rank's journal (``format.JournalTail``): one small read per ``poll`` seconds for all requests, so
         the request threads do nothing but HTTP. A marker missing from the journal (a writer that keeps none) is
-        looked for as a file after a second; none after ``timeout`` seconds is an error."""
+        looked for as a file after a second; none after ``timeout`` seconds is an error, and one at once when no
+        marker can come (``_late_markers``: the server is gone, or the disk is full). If ``on_done`` raises (the
+        extraction's disk-full stop, Ctrl-C), the requests not yet sent are cancelled."""
         tail = JournalTail(self.capture_dir, self.rank)
         lock = threading.Lock()
         answered: dict[str, tuple[float, dict]] = {}  # key -> (when SGLang answered, its answer)
