@@ -144,6 +144,48 @@ def test_preflight_refuses_what_does_not_fit(tmp_path, samples, monkeypatch):
     assert not (tmp_path / "new").exists()
 
 
+def test_batched_reference_forwards_write_the_samples_one_prompt_per_forward_writes(tmp_path, samples, reference,
+                                                                                   target_path, extracted):
+    from eagle3kit.extract import batches_by_length
+
+    groups = batches_by_length(samples, 256)
+    assert max(len(g) for g in groups) > 1  # the test batches for real
+    assert all(len(g) * max(len(s.input_ids) for s in g) <= 256 for g in groups if len(g) > 1)
+    out = tmp_path / "batched"
+    summary = extract(samples, out, ReferenceBackend(reference, batch_tokens=256), settings(target_path),
+                      progress=False)
+    assert summary["written"] == len(samples) and summary["failed"] == 0 and verify(out).passed
+    one = {e["key"]: e for e in read_manifest(extracted[0]).values()}
+    from eagle3kit.store import load_entry
+
+    def rel(x, y):
+        return ((x - y).norm() / y.norm()).item()
+
+    got, ref = {}, {}
+    for e in read_manifest(out).values():
+        got[e["key"]] = load_entry(out, e)["hidden_states"].float()
+        ref[e["key"]] = load_entry(extracted[0], one[e["key"]])["hidden_states"].float()
+        assert rel(got[e["key"]], ref[e["key"]]) < 1e-2, e["key"]  # bf16 files of float32 forwards
+    # the comparison would catch two prompts' states swapped within a batch (same length: same shape)
+    same = [(k, j) for k in got for j in got if k < j and got[k].shape == got[j].shape]
+    assert same and all(rel(got[k], ref[j]) > 0.1 for k, j in same)
+
+
+def test_a_failed_batch_runs_one_prompt_at_a_time(tmp_path, samples, reference, target_path, capsys):
+    class NoBatch:
+        def __getattr__(self, name):
+            return getattr(reference, name)
+
+        def hidden_batched(self, prompts):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+
+    out = tmp_path / "fallback"
+    summary = extract(samples[:3], out, ReferenceBackend(NoBatch(), batch_tokens=10_000), settings(target_path),
+                      progress=False)
+    assert summary["written"] == 3 and verify(out).passed
+    assert "running them one at a time" in capsys.readouterr().out
+
+
 def test_fp8_storage_is_read_back_by_training(tmp_path, samples, reference, target_path, extracted):
     out = tmp_path / "fp8"
     s = extract(samples[:2], out, ReferenceBackend(reference, storage="fp8"), settings(target_path, "fp8"),

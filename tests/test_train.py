@@ -299,6 +299,14 @@ def test_a_post_norm_drafter_stays_flagged_after_a_re_export(small_dataset, tmp_
     for d in (out / "best", again):
         assert json.loads((d / "eagle3kit.json").read_text())["final_pre_norm"] is False
         assert not diagnose(d).ok
+    # 05 runs the doctor on every control before serving: the post-norm one is flagged, one trained right passes
+    from eagle3kit.acceptance.experiment import control_verdicts
+
+    pre = tmp_path / "pre"
+    train(TrainConfig(data=str(small_dataset), out_dir=str(pre), max_steps=1, **TINY))
+    v = control_verdicts({"postnorm": again, "engine": pre / "best", "missing": tmp_path / "nothing"})
+    assert v["postnorm_doctor_ok"] is False and "before the norm" in v["postnorm_doctor_findings"]
+    assert v["engine_doctor_ok"] is True and v["missing_doctor_ok"] is False
 
 
 def test_several_packed_rows_in_one_forward_equal_each_row_alone(small_dataset, tmp_path):

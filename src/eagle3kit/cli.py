@@ -18,7 +18,8 @@ def _extract(a):
                              heldout_percent=a.heldout_percent, regenerate=a.regenerate,
                              regenerate_max_new_tokens=a.regenerate_max_new_tokens,
                              regenerate_minutes=a.regenerate_minutes, regenerate_servers=a.regenerate_servers,
-                             reference_device=a.reference_device, reference_dtype=a.reference_dtype, port=a.port)
+                             reference_device=a.reference_device, reference_dtype=a.reference_dtype, port=a.port,
+                             reference_batch_tokens=a.reference_batch_tokens)
     failures = summary.pop("failures_list", [])
     print(json.dumps(summary, indent=1, default=str))
     for f in failures[:5]:
@@ -193,6 +194,9 @@ def main(argv=None) -> int:
     e.add_argument("--port", type=int, default=30000, help="port of the SGLang server started here")
     e.add_argument("--reference-device", default="cpu", help="transformers engine: cpu or cuda")
     e.add_argument("--reference-dtype", default="float32", help="transformers engine: float32 or bfloat16")
+    e.add_argument("--reference-batch-tokens", type=int, default=None, metavar="N",
+                   help="transformers engine: prompts of similar length in one padded forward of at most N tokens "
+                        "(0: one prompt per forward); default 16384 on cuda, 0 on cpu")
     e.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="SGLang flags for the server started here (sglang engine, no --urls); last on the line")
 

@@ -27,12 +27,19 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                    urls=(), aux_layer_ids=None, max_samples=None, max_tokens=2048, storage="bf16", concurrency=64,
                    world_size=1, rank=0, final_normed=False, server_args=(), progress=True, seed=0,
                    heldout_percent=5.0, regenerate=False, regenerate_max_new_tokens=256, reference_device="cpu",
-                   reference_dtype="float32", port=30000, regenerate_minutes=None, regenerate_servers=1) -> dict:
+                   reference_dtype="float32", port=30000, regenerate_minutes=None, regenerate_servers=1,
+                   reference_batch_tokens=None) -> dict:
     """``regenerate_minutes``: with ``regenerate``, start no new conversation after that long and capture those
     regenerated (0: only the replies already cached in the folder); None: every conversation.
     ``regenerate_servers`` (engine sglang): servers that write the replies, the capture server and plain SGLang
     servers beside it on ports ``port`` + 11, + 12, ... (``data.regenerate.HelperServers``; stopped before the
-    capture), each with ``concurrency`` replies in flight."""
+    capture), each with ``concurrency`` replies in flight. ``reference_batch_tokens`` (engine transformers): tokens
+    per padded forward of prompts of similar length (0: one prompt per forward); None: 16384 on cuda, 0 on cpu."""
+    if reference_batch_tokens is None:
+        reference_batch_tokens = 16384 if str(reference_device).startswith("cuda") else 0
+    if reference_batch_tokens < 0:
+        raise ValueError(f"--reference-batch-tokens {reference_batch_tokens}: give 0 (one prompt per forward) or a "
+                         f"positive token budget per forward")
     path = resolve_target(target)
     info = TargetInfo.read(path)
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
@@ -50,7 +57,7 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
     if engine == "transformers":
         reference = ReferenceEngine(path, aux, final_normed=final_normed, dtype=reference_dtype,
                                     device=reference_device)
-        backend = ReferenceBackend(reference, storage)
+        backend = ReferenceBackend(reference, storage, batch_tokens=reference_batch_tokens)
     elif engine == "sglang":
         def start_server():
             from eagle3kit.capture.server import capture_server

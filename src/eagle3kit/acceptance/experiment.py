@@ -74,6 +74,22 @@ def speculative_only(args) -> bool:
     return bool(flags) and all(str(a).startswith("--speculative-") for a in flags)
 
 
+def control_verdicts(controls: dict) -> dict:
+    """The doctor on each control's export, before it is served: ``<name>_doctor_ok`` (and its findings). A mistake
+    the export records (a post-norm final slot, layer ids other than the training's) must be flagged; one it cannot
+    see (another engine's states, fp8 storage, original replies) passes, and only serving measures its cost."""
+    from eagle3kit.doctor import diagnose
+
+    out = {}
+    for name, path in controls.items():
+        try:
+            d = diagnose(path)
+            out[f"{name}_doctor_ok"], out[f"{name}_doctor_findings"] = d.ok, str(d)
+        except (OSError, ValueError) as e:
+            out[f"{name}_doctor_ok"], out[f"{name}_doctor_findings"] = False, f"not diagnosed: {e}"
+    return out
+
+
 def export_offbyone(drafter: str, dest: Path) -> list[int]:
     """The main drafter with its SGLang layer ids shifted by +1 (the classic mistake)."""
     from eagle3kit.drafter.export import export_drafter

@@ -4,8 +4,10 @@ Per request, SGLang 0.5.14 reports ``spec_verify_ct`` (verify forwards) and ``sp
 (``spec_accepted_drafts`` in some builds); each verify emits the accepted drafts plus one bonus token, so
 accept length = (correct + verify) / verify, token-weighted over requests (SGLang's own ``spec_accept_length`` is
 completion_tokens / verify_ct, which also counts the token the prefill produced). The server-wide figure
-(``/server_info`` internal_states[0].avg_spec_accept_length) is read too; ``--decode-log-interval 1`` makes it
-exact (it is folded in every that many decode batches) and ``/flush_cache`` resets it before each measurement.
+(``/server_info`` internal_states[0].avg_spec_accept_length) is read too, after ``/flush_cache`` reset it: SGLang folds
+it in at every ``--decode-log-interval`` decode batches (40 by default), so it leaves out up to 39 of a round's last
+verifies. The speculative servers keep that default, as plain does: ``--decode-log-interval 1`` (exact server-wide
+figure) formats and writes a log line on every verify, work plain was not charged (a variant measures it).
 
 Speed: output tokens per second of wall time, the same prompts, greedy, against the same target served without
 speculation in the same run. At batch 1 the break-even accept length is the cost of one speculative iteration in
@@ -43,8 +45,7 @@ class Serving:
             return list(self.extra_args)
         return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(self.drafter),
                 "--speculative-num-steps", str(self.steps), "--speculative-eagle-topk", str(self.topk),
-                "--speculative-num-draft-tokens", str(self.draft_tokens), "--decode-log-interval", "1",
-                *self.extra_args]
+                "--speculative-num-draft-tokens", str(self.draft_tokens), *self.extra_args]
 
     def label(self) -> str:
         return "plain" if self.drafter is None else f"{self.name} ({self.steps},{self.topk},{self.draft_tokens})"
