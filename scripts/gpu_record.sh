@@ -54,9 +54,11 @@ drafter_phase() {  # $1 phase, $2 record folder
     data)
       local n=${E3K_MAX_SAMPLES:-2000} want=" ${E3K_DATA_CONTROLS-original engine fp8 postnorm} " orig=
       $stop python3 -m eagle3kit.cli run $P --only 03_extract --run-dir "$R" --set 03_extract.max_samples=$n ${E3K_DATA_SETS:-} > "$rec/run-03.log" 2>&1 & local main=$!
+      wait $main || rc=1
+      # the original replies' capture server starts once 03's servers are gone: started beside 03's three regeneration
+      # servers and its capture server, five SGLang starts would race for the memory each measures free at its start
       [[ $want == *" original "* ]] && { $stop python3 -m eagle3kit.cli extract --engine sglang --port 30001 --out "$W/original" \
         --max-samples $n --max-tokens 2048 --concurrency 256 --server-args $SG > "$rec/original.log" 2>&1 & orig=$!; }
-      wait $main || rc=1
       local D=$R/03_extract/data
       [[ $want == *" fp8 "* ]] && { python3 -m eagle3kit.cli derive "$D" "$W/fp8" --storage fp8 > "$rec/fp8.log" 2>&1 & pids+=($!); }
       [[ $want == *" postnorm "* ]] && { python3 -m eagle3kit.cli derive "$D" "$W/postnorm" --final-slot post_norm > "$rec/postnorm.log" 2>&1 & pids+=($!); }

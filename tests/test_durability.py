@@ -99,3 +99,66 @@ def test_metrics_merged_by_two_processes_at_once_keep_every_key(tmp_path):
         assert p.exitcode == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert len(m) == 400 and not list(tmp_path.glob("*.tmp"))
+
+
+def _torn(path: Path, lines: list[str], keep: int) -> None:
+    """``lines`` written whole, then the first ``keep`` bytes of one more: what a stop mid-append leaves."""
+    path.write_text("".join(x + "\n" for x in lines) + json.dumps({"key": "torn", "file": "torn.safetensors"})[:keep])
+
+
+def test_a_torn_last_manifest_line_is_cut_before_the_resume_appends(tmp_path, capsys):
+    """A full disk (or a kill) mid-append leaves a torn last line. Appended to as it was, the resume's first line
+    joined it into one bad line inside the manifest (the GPU disk-full run, gpu-drafter-pipeline-9/faults): that
+    complete sample counted as missing and every later read reported a malformed line. The writer cuts the torn
+    tail first."""
+    good = [json.dumps({"key": k, "file": f"{k}.safetensors"}) for k in ("a", "b")]
+    for cut_it in (False, True):
+        d = tmp_path / str(cut_it)
+        d.mkdir()
+        _torn(d / MANIFEST, good, keep=30)
+        if cut_it:
+            w = ManifestWriter(d, group=1)
+        else:  # the old writer: a plain append
+            w = ManifestWriter.__new__(ManifestWriter)
+            w.path, w._f, w.group, w.seconds, w._queued, w._since = d / MANIFEST, open(d / MANIFEST, "a"), 1, 1.0, [], 0
+        w.append({"key": "c", "file": "c.safetensors"})
+        w.close()
+        malformed = []
+        got = read_manifest(d, malformed)
+        if cut_it:
+            assert list(got) == ["a", "b", "c"] and malformed == []
+            assert "cut a torn last line" in capsys.readouterr().out
+        else:  # what the check guards against: c lost inside a malformed line
+            assert list(got) == ["a", "b"] and len(malformed) == 1
+
+
+def test_cut_torn_tail_cuts_only_a_torn_tail(tmp_path):
+    from eagle3kit.store import cut_torn_tail
+
+    f = tmp_path / "x.jsonl"
+    assert cut_torn_tail(f) == 0  # no file
+    f.write_text("")
+    assert cut_torn_tail(f) == 0
+    f.write_text('{"a": 1}\n{"b": 2}\n')
+    assert cut_torn_tail(f) == 0 and f.read_text() == '{"a": 1}\n{"b": 2}\n'
+    f.write_text('{"a": 1}\n{"b": 2}\n{"c"')
+    assert cut_torn_tail(f) == 4 and f.read_text() == '{"a": 1}\n{"b": 2}\n'
+    f.write_text("x" * 200_000)  # one torn line longer than the backward scan's block, nothing before it
+    assert cut_torn_tail(f) == 200_000 and f.read_text() == ""
+
+
+def test_a_torn_regenerated_reply_is_cut_before_more_replies_are_appended(tmp_path, tokenizer):
+    """The replies' cache had the same flaw: the torn reply is regenerated, and was appended onto, so the run after
+    that refused the file (a bad line inside it). Three runs: the second repairs, the third reads every reply."""
+    from eagle3kit.extract import _read_regenerated, load_samples
+
+    cache = tmp_path / "regen.jsonl"
+
+    def reply(messages, n):
+        return "the target's reply"
+    load_samples("embedded:sharegpt", tokenizer, 2, 2048, regenerate_with=reply, regenerated_cache=cache)
+    whole = cache.read_text()
+    cache.write_text(whole[: whole.rindex("\n", 0, len(whole) - 1) + 1] + whole.splitlines()[-1][:40])
+    assert len(_read_regenerated(cache)) == 1  # the torn reply is dropped
+    load_samples("embedded:sharegpt", tokenizer, 3, 2048, regenerate_with=reply, regenerated_cache=cache)
+    assert len(_read_regenerated(cache)) == 3 and len(cache.read_text().splitlines()) == 3

@@ -334,6 +334,9 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
         mine = [c for i, c in enumerate(convs) if i % world_size == rank and c["id"] not in done]
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
+            from eagle3kit.store import cut_torn_tail
+
+            cut_torn_tail(cache)  # the torn reply _read_regenerated dropped: appended to, it would join the next one
         if mine and regenerate_seconds and hasattr(regenerate_with, "prepare"):
             regenerate_with.prepare()  # servers started before the budget's clock: it counts replies only
         deadline = None if regenerate_seconds is None else time.monotonic() + regenerate_seconds

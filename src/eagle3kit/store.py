@@ -69,6 +69,37 @@ def compact_manifest(out_dir: Path, drop: set = frozenset()) -> None:
     _fsync_path(path.parent)
 
 
+def cut_torn_tail(path) -> int:
+    """Cut a JSONL file back to its last newline; returns the bytes cut. A crash or a full disk in the middle of an
+    append leaves a torn last line; the next run's first append would join it into one bad line inside the file,
+    which hides the complete record written onto it and reads as corruption ever after (seen on the GPU:
+    gpu-drafter-pipeline-9/faults, a manifest after a disk-full stop and its resume). Every appender of a file that
+    a resume reopens calls this first."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    with open(path, "rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        if not end:
+            return 0
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return 0
+        pos, cut = end, 0
+        while pos > 0:
+            start = max(0, pos - 65536)
+            f.seek(start)
+            i = f.read(pos - start).rfind(b"\n")
+            if i >= 0:
+                cut = start + i + 1
+                break
+            pos = start
+        f.truncate(cut)
+        f.flush()
+        os.fsync(f.fileno())
+    return end - cut
+
+
 class ManifestWriter:
     """Appends a sample's manifest line only once its file is on disk (a power cut cannot leave a "done" sample
     without its bytes). ``append(entry, file)`` queues; every ``group`` entries or ``seconds`` (and at ``close``) the
@@ -78,6 +109,9 @@ class ManifestWriter:
 
     def __init__(self, out_dir: Path, group: int = 64, seconds: float = 2.0):
         self.path = Path(out_dir) / MANIFEST
+        cut = cut_torn_tail(self.path)  # a previous run's torn last line (its sample is not done: captured again)
+        if cut:
+            print(f"[extract] {self.path}: cut a torn last line ({cut} bytes) that a stopped run left", flush=True)
         self._f = open(self.path, "a")
         self.group, self.seconds = group, seconds
         self._queued: list[tuple[dict, Path | None]] = []

@@ -31,6 +31,7 @@ from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
 from eagle3kit.drafter.objective import (LOSSES, ChainCounts, chain_count_tensor, serving_walk, step_loss, teacher,
                                          valid_rows)
+from eagle3kit.store import cut_torn_tail
 
 # settings that may differ on a resume (out_dir: a run folder moved or renamed resumes)
 RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "attention", "eval_every", "max_minutes", "out_dir",
@@ -548,6 +549,10 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
         _atomic_save({"model": trainable_state(run.model), "optimizer": opt.state_dict(),
                       "scheduler": sched.state_dict(), "rng": _rng_state(), "state": state}, ckpt)
         spent["save"] += time.time() - t0
+
+    if dist.rank == 0:  # a killed run's torn last line would join the resumed run's first row
+        for name in ("train_log.jsonl", "evals.jsonl"):
+            cut_torn_tail(out / name)
 
     def log(name, row):
         if dist.rank == 0:
