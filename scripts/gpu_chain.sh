@@ -24,13 +24,20 @@
 # spot check now runs before the resume check), give it 560; training of
 # 8 min, 435 s; serve with 9 servers and 16/32/64 prompts, 289 s complete (servers healthy after 91 s), give it 330.
 # Those ~150 s saved buy ~2 more minutes of training (tau(3): 3.029 after 8 min, 3.167 after 9 in -7).
+# The controls' session (gpu-drafter-pipeline-9, 2026-12-02): E3K_CHAIN="data:480 train+faults@30:600 serve:470",
+# E3K_MAX_SAMPLES=2000 (44 GB of data sets with the four controls' copies; the disk holds ~60), E3K_DATA_CONTROLS and
+# E3K_CONTROLS "original engine fp8 postnorm", E3K_SERVE_SETS for batch 1 only (sweep_steps=[3] trees=[]
+# concurrencies=[1] prompts_per_conc={"1":24}), scripts/gpu_fit_train.sh in the polls: data 500 s (03 253 s, then the
+# original replies' server, the engine on the GPU and the derived copies), five trainings of 8 min at ~22 K tokens/s
+# each, 679 s with their setup (140 s) and evaluations (170 s); serve: 10 servers healthy after 104 s, every round
+# in 164 s, then the budget ended in 05's proof (its offline cells and the controls' offline figures take ~2 more min).
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. The trainer's compile_layers passed its GPU test
 # (gpu-drafter-pipeline-8/tests: the eager layers' loss and gradients within 0.25 %); its speed A/B is still to run
 # (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20, ~2 min), then the
 # training with E3K_TRAIN_SETS="--set 04_train.compile_layers=true" if it is faster (eager again if its trial fails).
-# Not yet run on a GPU (2026-12-02): the full disk under SGLang's own writer (faults, E3K_FAULTS_K=disk_full
-# E3K_FAULTS_TRIAL=0: two server starts and a 600-sample extraction into a tmpfs, a few minutes), e.g. beside the
-# training as train+faults@20 (its server takes --mem-fraction-static 0.25 of what the trainer leaves).
+# The full disk under SGLang's own writer (faults, E3K_FAULTS_K=disk_full E3K_FAULTS_TRIAL=0: two server starts and a
+# 600-sample extraction into a tmpfs, 363 s beside five trainings) ran once (-9) and failed on a torn manifest line the
+# resume appended to (fixed since, store.cut_torn_tail): to run again, e.g. beside the training as train+faults@30.
 # Poll back to back: the machine is taken back ~30 s after a call returns, chain and data with it (2026-12-01: a
 # poll started late lost a training at 52 % and the serve phase; later a transient error on the caller's side lost a
 # fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash

@@ -736,6 +736,15 @@ def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path,
     assert experiment.record_partial(tmp_path) == {}
     assert json.loads((tmp_path / "metrics.json").read_text())["online_speedup"] == 1.0
     assert experiment.record_partial(tmp_path / "elsewhere") == {}  # no online run there: nothing to record
+    # a record brought back from the GPU machine names its target folder there: the same model here is given
+    saved["plan"]["target"] = "/root/e3k-cache/models/smollm2-135m-instruct"
+    (tmp_path / "online" / experiment.PARTIAL).write_text(json.dumps(saved))
+    (tmp_path / "metrics.json").write_text(json.dumps({"offline_tau_3": 3.0}))
+    from eagle3kit.target import TargetError
+
+    with pytest.raises(TargetError):
+        experiment.record_partial(tmp_path)
+    assert experiment.record_partial(tmp_path, target="embedded:smollm2")["online_speedup"] == pytest.approx(1.5)
 
 
 @pytest.mark.parametrize("target,family", [("embedded:smollm2", "llama"), ("embedded:deepseek-v3-tiny", "deepseek")])

@@ -190,12 +190,13 @@ def load_partial(work) -> tuple[OnlinePlan, dict] | None:
     return plan, results
 
 
-def record_partial(step) -> dict:
+def record_partial(step, target: str | None = None) -> dict:
     """After an interrupted online run (a time limit, Ctrl-C): the figures of every server measured before it, merged
     into the step's ``metrics.json`` with ``online_partial`` true and ``online_servers_measured``; the proof and the
     doctor's check come after the measurements, so their keys are absent. Nothing is recorded when the notebook
     already recorded the complete summary (``online_required_servers_failed`` present) or nothing was measured.
-    Offline figures: those the step recorded before the online part (notebook 05's first cells)."""
+    Offline figures: those the step recorded before the online part (notebook 05's first cells). ``target``: the
+    target here when the record was brought back from the machine that ran it (``embedded:smollm2``)."""
     from eagle3kit.metrics import update_json
 
     step = Path(step)
@@ -205,6 +206,10 @@ def record_partial(step) -> dict:
     if loaded is None or "online_required_servers_failed" in recorded:
         return {}
     plan, results = loaded
+    if target:  # the run's target folder was on another machine (a record brought back): the same model here
+        from eagle3kit.target import resolve_target
+
+        plan.target = str(resolve_target(target))
     measured = [n for n, r in results["servers"].items() if "by_concurrency" in r]
     if not measured:
         return {}
