@@ -22,7 +22,8 @@
 #     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free);
 #     E3K_BENCH_ARGS: more of its arguments (e.g. "--passes compute --ab attention=sdpa")
 #   tests: the GPU tests (pytest -m gpu), E3K_TESTS_K: pytest -k to run some of them
-#   E3K_TRAIN_MINUTES: the trainings' wall-clock budget (default 6); E3K_MAX_SAMPLES (2000); E3K_DATA_CONTROLS and
+#   E3K_TRAIN_MINUTES: the trainings' wall-clock budget (default 6); E3K_TRAIN_STEPS: the same steps for all of them;
+#   E3K_MAX_SAMPLES (2000); E3K_DATA_CONTROLS and
 #   E3K_CONTROLS: which controls' data to make and which to train (default all; empty: none); E3K_DATA_SETS,
 #   E3K_TRAIN_SETS, E3K_SERVE_SETS: more --set for 03, 04 (main run) and 05
 # OUT: where the record archives go (the device tool sets it; a background run: OUT=/root/records)
@@ -80,10 +81,14 @@ drafter_phase() {  # $1 phase, $2 record folder
       local mins=${E3K_TRAIN_MINUTES:-6} sets
       [ -s /root/e3k-train-minutes ] && mins=$(cat /root/e3k-train-minutes) && echo "train minutes from /root/e3k-train-minutes: $mins"
       sets=$(python3 -c "import yaml; s=yaml.safe_load(open('$P'))['notebooks']['04_train']; print(' '.join(f'--set {k}={v}' for k, v in s.items()))")
-      python3 -m eagle3kit.cli run $P --only 04_train --run-dir "$R" --set 04_train.max_minutes=$mins ${E3K_TRAIN_SETS:-} > "$rec/run-04.log" 2>&1 & pids+=($!)
+      # E3K_TRAIN_STEPS: the same optimizer steps for the main drafter and every control (fit_schedule fits each run to
+      # its own pace: in -9 the five ran 987 to 1,071 steps), the minutes only a safety net that cuts a slower run
+      local same=${E3K_TRAIN_STEPS:+max_steps=$E3K_TRAIN_STEPS}
+      python3 -m eagle3kit.cli run $P --only 04_train --run-dir "$R" --set 04_train.max_minutes=$mins ${same:+--set 04_train.$same} \
+        ${E3K_TRAIN_SETS:-} > "$rec/run-04.log" 2>&1 & pids+=($!)
       for c in $CONTROLS; do
         python3 -m eagle3kit.cli train --data "$(control_data $c)" --out "$W/train-$c" $sets --set max_minutes=$mins \
-          --set progress=false $(control_set $c) > "$rec/train-$c.log" 2>&1 & pids+=($!)
+          ${same:+--set $same} --set progress=false $(control_set $c) > "$rec/train-$c.log" 2>&1 & pids+=($!)
       done
       for p in "${pids[@]}"; do wait $p || rc=1; done
       nvidia-smi > "$rec/nvidia-smi.txt" 2>&1 ;;
