@@ -799,4 +799,12 @@ def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     xs = sorted(tuple(round(p[0], 3) for p in s) for coll in fig.axes[0].collections for s in coll.get_segments()
                 if len(s))
     assert xs == [(1.9, 2.4), (2.0, 2.7)], xs
+    labels = [x.get_text() for x in fig.axes[0].get_yticklabels()]
+    assert labels == ["layer ids off by one", "trained (SGLang states)"], labels
+    m.update(negative_control_accept_cost_ci95_low=0.03, negative_control_accept_cost_ci95_high=0.22,
+             offbyone_doctor_ok=False, postnorm_accept_length=1.2, postnorm_doctor_ok=False, engine_accept_length=2.2,
+             engine_doctor_ok=True, engine_accept_cost_ci95_low=-0.05, engine_accept_cost_ci95_high=0.29)
+    labels = [x.get_text() for x in compare.controls_plot(m, "t").axes[0].get_yticklabels()][::-1]
+    assert labels == ["trained (SGLang states)", "layer ids off by one\ndoctor flags it · cost [+0.03, +0.22]",
+                      "final slot post-norm\ndoctor flags it", "states from transformers\ndoctor: ok · cost [-0.05, +0.29]"]
     assert (tmp_path / "c.png").exists() and (tmp_path / "k.png").exists()

@@ -123,24 +123,45 @@ def plot(rows: list[dict], path=None):
     return fig
 
 
+CONTROLS = [("trained (SGLang states)", "online", ""), ("layer ids off by one", "negative_control", "offbyone"),
+            ("final slot post-norm", "postnorm", "postnorm"), ("states from transformers", "engine", "engine"),
+            ("fp8 storage", "fp8", "fp8"), ("original replies", "original", "original"),
+            ("lm_head frozen", "frozen_head", "frozen_head")]  # (label, metrics key, doctor key)
+
+
+def control_label(m: dict, label: str, key: str, doctor: str) -> str:
+    """A control's bar label: the mistake, whether the doctor flags it before serving, and what it costs against the
+    trained drafter on the same prompts (the paired 95 % interval; above 0: the cost exceeds the prompts' spread)."""
+    parts = [label]
+    if doctor and m.get(f"{doctor}_doctor_ok") is not None:
+        parts.append("doctor flags it" if m[f"{doctor}_doctor_ok"] is False else "doctor: ok")
+    lo, hi = m.get(f"{key}_accept_cost_ci95_low"), m.get(f"{key}_accept_cost_ci95_high")
+    if lo is not None and hi is not None:
+        parts.append(f"cost [{lo:+.2f}, {hi:+.2f}]")
+    return "\n".join([parts[0], " · ".join(parts[1:])]) if len(parts) > 1 else parts[0]
+
+
 def controls_plot(m: dict, title: str, path=None):
-    """One run's accept length per experiment: the trained drafter against each mistake."""
+    """One run's accept length per experiment: the trained drafter against each mistake, each labelled with the
+    doctor's verdict and its paired cost interval against the trained drafter."""
     import matplotlib.pyplot as plt
 
-    keys = [("trained (SGLang states)", "online"), ("layer ids off by one", "negative_control"),
-            ("final slot post-norm", "postnorm"), ("states from transformers", "engine"), ("fp8 storage", "fp8"),
-            ("original replies", "original"), ("lm_head frozen", "frozen_head")]
-    items = [(label, m[f"{k}_accept_length"], m.get(f"{k}_accept_length_ci95_low"),
-              m.get(f"{k}_accept_length_ci95_high")) for label, k in keys if m.get(f"{k}_accept_length") is not None][::-1]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    items = [(control_label(m, label, k, d), m[f"{k}_accept_length"], m.get(f"{k}_accept_length_ci95_low"),
+              m.get(f"{k}_accept_length_ci95_high")) for label, k, d in CONTROLS
+             if m.get(f"{k}_accept_length") is not None][::-1]
+    fig, ax = plt.subplots(figsize=(7.5, 0.62 * len(items) + 1.2))
     err = [[v - (lo if lo is not None else v) for _, v, lo, _ in items],
            [(hi if hi is not None else v) - v for _, v, _, hi in items]]
     ax.barh([k for k, *_ in items], [v for _, v, *_ in items], color="#4c72b0",
             xerr=err if any(err[0]) or any(err[1]) else None, capsize=3)
+    for i, (_, v, *_r) in enumerate(items):
+        ax.annotate(f"{v:.3f}", (0, i), xytext=(4, 0), textcoords="offset points", va="center", fontsize=7,
+                    color="white")
     if m.get("breakeven_accept_length"):
         ax.axvline(m["breakeven_accept_length"], color="#c44e52", ls="--", lw=1, label="break-even (batch 1)")
         ax.legend(fontsize=7)
     ax.axvline(1.0, color="grey", ls=":", lw=1)
+    ax.tick_params(axis="y", labelsize=7)
     ax.set_xlabel("online accept length in SGLang (3 steps, topk 1, 4 draft tokens; 95 % over prompts)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
