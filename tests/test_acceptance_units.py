@@ -718,8 +718,14 @@ def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path,
     monkeypatch.setattr(online, "measure", fake_measure)
     monkeypatch.setattr(online, "flush", lambda url: None)
     monkeypatch.setattr(online, "server_accept_length", lambda url: None)
+    logged, proved = [], []
+
+    def on_proof(results):  # before the rounds: a failing proof is logged, the rounds go on
+        proved.append(len(timed))
+        raise ValueError("no draft records")
     with pytest.raises(KeyboardInterrupt):
-        experiment.run(plan, [[1, 2]] * 16, tmp_path / "online", log=lambda *_: None)
+        experiment.run(plan, [[1, 2]] * 16, tmp_path / "online", log=logged.append, on_proof=on_proof)
+    assert proved == [0] and any("proof before the rounds failed: ValueError" in x for x in logged), logged
     assert Srv.stopped == 3 and timed == ["P", "M", "S", "S"]  # every server stopped all the same
     saved = json.loads((tmp_path / "online" / experiment.PARTIAL).read_text())
     assert sorted(saved["results"]["servers"]) == ["main", "plain", "steps1"] and "_outputs" not in json.dumps(saved)
@@ -730,6 +736,14 @@ def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path,
     assert m["online_speedup"] == pytest.approx(1.5) and m["online_accept_length"] == pytest.approx(2.5)
     assert m["steps1_speedup"] == pytest.approx(0.8) and m["offline_walk_online_rel_gap"] == pytest.approx(0.0)
     assert "export_params_unloaded" not in m and "online_required_servers_failed" not in m
+    # a proof made before the rounds (proof.json) is part of the partial record
+    (tmp_path / "proof.json").write_text(json.dumps({"proof": {
+        "export_params_unloaded": 0, "export_params_checked": 11, "doctor_verified": True, "doctor_ok": True,
+        "fed_layer_ids": [2, 15, 27], "fed_layer_rel_err": [0.01, 0.02, 0.01]}}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"offline_tau_3": 3.0, "offline_walk_accept_length_3": 2.5}))
+    m = experiment.record_partial(tmp_path)
+    assert m["export_params_unloaded"] == 0 and m["doctor_verified_families"] == "llama" and m["online_partial"]
+    (tmp_path / "proof.json").unlink()
     assert json.loads((tmp_path / "metrics.json").read_text())["online_speedup"] == m["online_speedup"]
     # the notebook's complete summary is never overwritten by a partial one
     (tmp_path / "metrics.json").write_text(json.dumps({"online_required_servers_failed": 0, "online_speedup": 1.0}))

@@ -100,8 +100,12 @@ def export_offbyone(drafter: str, dest: Path) -> list[int]:
     return ids
 
 
-def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
-    """Start, measure, prove, stop. Returns {"servers": per-server measurements, "failed": ..., "proof": ...}."""
+def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=None) -> dict:
+    """Start, send the proof requests, measure, stop. Returns {"servers": per-server measurements, "failed": ...}.
+    ``on_proof(results)``: called once the proof and off-by-one servers have answered their requests (their draft
+    hooks' records are on disk), before the timed rounds, so the proof is made and recorded even when a time limit
+    ends the rounds (it came after them, and was lost with them in gpu-drafter-pipeline-9). Its errors are logged,
+    never raised: the measurements go on."""
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     if plan.offbyone:
@@ -134,6 +138,11 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print) -> dict:
             # every setting's speed is a ratio users act on: each gets the same rounds as plain (batch 1 only: cheap);
             # plain and main also at every concurrency
             timed[name] = (srv.url, by_conc if name in ("plain", "main") else {1: by_conc[1]})
+        if on_proof is not None:
+            try:
+                on_proof(results)
+            except Exception as e:  # noqa: BLE001 - the proof is redone after the rounds; the rounds go on
+                log(f"proof before the rounds failed: {type(e).__name__}: {e}")
 
         def keep(measured):  # after each round: the results so far, on disk (an interrupted run keeps them)
             for name, m in measured.items():
@@ -192,8 +201,8 @@ def load_partial(work) -> tuple[OnlinePlan, dict] | None:
 
 def record_partial(step, target: str | None = None) -> dict:
     """After an interrupted online run (a time limit, Ctrl-C): the figures of every server measured before it, merged
-    into the step's ``metrics.json`` with ``online_partial`` true and ``online_servers_measured``; the proof and the
-    doctor's check come after the measurements, so their keys are absent. Nothing is recorded when the notebook
+    into the step's ``metrics.json`` with ``online_partial`` true and ``online_servers_measured``, and the proof and
+    the doctor's check when ``proof.json`` was written before the rounds (``run``'s ``on_proof``). Nothing is recorded when the notebook
     already recorded the complete summary (``online_required_servers_failed`` present) or nothing was measured.
     Offline figures: those the step recorded before the online part (notebook 05's first cells). ``target``: the
     target here when the record was brought back from the machine that ran it (``embedded:smollm2``)."""
@@ -213,7 +222,8 @@ def record_partial(step, target: str | None = None) -> dict:
     measured = [n for n, r in results["servers"].items() if "by_concurrency" in r]
     if not measured:
         return {}
-    m = summarize(plan, results, {}, {"main": recorded})
+    proof = step / "proof.json"  # made before the rounds (notebook 05's on_proof), so a cut run has it too
+    m = summarize(plan, results, json.loads(proof.read_text()) if proof.exists() else {}, {"main": recorded})
     for k in ("online_servers_failed", "online_required_servers_failed"):  # the summary's mark of a complete run
         m.pop(k, None)
     m.update(online_partial=True, online_servers_measured=len(measured),
@@ -336,6 +346,35 @@ def _best_setting(results: dict, m: dict, serving) -> dict:
     return out
 
 
+def proof_metrics(plan: OnlinePlan, proofs: dict) -> dict:
+    """Flat metrics of ``prove``'s results: the load proof (the proof server) and the doctor's check against what
+    SGLang fed the draft (proof and off-by-one), with the target family whose rule SGLang applied."""
+    from eagle3kit.layers import sglang_convention
+    from eagle3kit.target import TargetInfo, resolve_target
+
+    m: dict = {}
+    for name, p in proofs.items():
+        pre = "" if name == "proof" else f"{name}_"
+        for k, v in p.items():
+            if k.endswith("error") and isinstance(v, str):
+                m[f"{pre}{k}"] = v[:300]
+        for k in ("export_params_checked", "export_params_unloaded", "export_logits_max_rel_err",
+                  "export_logits_all_rows_max_rel_err", "export_logits_argmax_agreement"):
+            if k in p and name == "proof":
+                m[k] = p[k]
+        if "doctor_verified" in p:
+            m[f"{pre}doctor_verified"] = bool(p["doctor_verified"])
+            m[f"{pre}doctor_ok"] = bool(p["doctor_ok"])
+            m[f"{pre}fed_layer_ids"] = ",".join(map(str, p["fed_layer_ids"]))
+            m[f"{pre}fed_layer_max_rel_err"] = max(p["fed_layer_rel_err"])
+    model_type = TargetInfo.read(resolve_target(plan.target)).model_type
+    family = sglang_convention(model_type).removeprefix("sglang_")  # the rule SGLang applied: llama or deepseek
+    m["doctor_target_model_type"] = model_type
+    m["doctor_verified_families"] = family if m.get("doctor_verified") and m.get("offbyone_doctor_verified", True) \
+        else ""
+    return m
+
+
 def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> dict:
     """Flat metrics of the online experiment. ``offline``: name -> offline metrics (``offline_tau_{n}``) of that
     drafter on the held-out split ("main" and the controls; "main_first_replies": the main drafter on the first
@@ -436,28 +475,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         m[f"steps{s}_accept_length"] = m["online_accept_length"]
         m[f"steps{s}_speedup"] = m.get("online_speedup", 0.0)
     m.update(_best_setting(results, m, plan.serving))
-    for name, p in proofs.items():
-        pre = "" if name == "proof" else f"{name}_"
-        for k, v in p.items():
-            if k.endswith("error") and isinstance(v, str):
-                m[f"{pre}{k}"] = v[:300]
-        for k in ("export_params_checked", "export_params_unloaded", "export_logits_max_rel_err",
-                  "export_logits_all_rows_max_rel_err", "export_logits_argmax_agreement"):
-            if k in p and name == "proof":
-                m[k] = p[k]
-        if "doctor_verified" in p:
-            m[f"{pre}doctor_verified"] = bool(p["doctor_verified"])
-            m[f"{pre}doctor_ok"] = bool(p["doctor_ok"])
-            m[f"{pre}fed_layer_ids"] = ",".join(map(str, p["fed_layer_ids"]))
-            m[f"{pre}fed_layer_max_rel_err"] = max(p["fed_layer_rel_err"])
-    from eagle3kit.layers import sglang_convention
-    from eagle3kit.target import TargetInfo, resolve_target
-
-    model_type = TargetInfo.read(resolve_target(plan.target)).model_type
-    family = sglang_convention(model_type).removeprefix("sglang_")  # the rule SGLang applied: llama or deepseek
-    m["doctor_target_model_type"] = model_type
-    m["doctor_verified_families"] = family if m.get("doctor_verified") and m.get("offbyone_doctor_verified", True) \
-        else ""
+    m.update(proof_metrics(plan, proofs))
     for name, match in results.get("outputs_match_plain", {}).items():
         m[f"{name}_outputs_identical_to_plain"] = match["identical"]
         m[f"{name}_common_prefix_with_plain"] = match["common_prefix"]
