@@ -31,6 +31,10 @@
 # original replies' server, the engine on the GPU and the derived copies), five trainings of 8 min at ~22 K tokens/s
 # each, 679 s with their setup (140 s) and evaluations (170 s); serve: 10 servers healthy after 104 s, every round
 # in 164 s, then the budget ended in 05's proof (its offline cells and the controls' offline figures take ~2 more min).
+# Next time: E3K_TRAIN_STEPS (the same steps for all; ~1,000 fit 8 minutes with five at once) and the seed1 control
+# (the spread of two trainings of one recipe); gpu_fit_train.sh with OVERHEAD_S 220 when several train at once (their
+# setup and evaluations took ~200 s of the phase, not the 120 s given, and the serve phase lost its last minute).
+# 05 now proves before the rounds and evaluates the controls offline before its servers start.
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. The trainer's compile_layers passed its GPU test
 # (gpu-drafter-pipeline-8/tests: the eager layers' loss and gradients within 0.25 %); its speed A/B is still to run
 # (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20, ~2 min), then the
