@@ -242,8 +242,18 @@ def test_format_round_trip_each_storage(tmp_path, spike_dumps, storage):
     assert err < {"bf16": 1e-6, "fp32": 1e-6, "fp8": 0.05}[storage]
     assert meta["layer_ids"] == [1, 3, 5, 6] and meta["storage"] == storage
     assert not list(tmp_path.glob(".*tmp"))  # atomic writes leave no temporary files
-    if storage == "fp8":
-        assert set(encode(tensors, "fp8")) == {"hidden_states_fp8", "hidden_states_scale", "token_ids"}
+    assert marker["n_states"] == 4
+    if storage == "fp8":  # the aux slots in e4m3, the final slot (the teacher's input) in bf16, bit for bit
+        assert set(encode(tensors, "fp8")) == {"hidden_states_fp8", "hidden_states_scale", "hidden_states_final",
+                                               "token_ids"}
+        assert torch.equal(back["hidden_states"][:, -1], hs[:, -1].to(torch.bfloat16))
+        assert 0 < ((back["hidden_states"][:, :-1].float() - hs[:, :-1].float()).norm() / hs[:, :-1].norm()) < 0.05
+        # a file of the first fp8 layout (every slot in e4m3) still reads
+        from eagle3kit.capture.format import fp8_encode
+
+        q, scale = fp8_encode(hs)
+        old = decode({"hidden_states_fp8": q, "hidden_states_scale": scale, "token_ids": tensors["token_ids"]})
+        assert old["hidden_states"].shape == hs.shape
     with pytest.raises(ValueError, match="not an eagle3kit capture"):
         decode({"x": torch.zeros(1)})
 

@@ -64,7 +64,7 @@ def _disk_full_error(out_dir: Path, todo: list, totals: dict, failures: list) ->
                          f"{len(todo)} samples and stopped" + (f" ({unlisted} of them could not be entered in the "
                                                                f"manifest and will be captured again)" if unlisted else "")
                          + f"; {totals['failed']} failed ({where}), {left} were not tried. Every sample in the manifest"
-                         f" is complete; no temporary file is left. Fix: free space (or --storage fp8, about half), "
+                         f" is complete; no temporary file is left. Fix: free space (or --storage fp8, about 0.6 of bf16), "
                          f"then rerun the same command: it resumes")
 
 
@@ -89,7 +89,7 @@ def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int 
 
 
 def bytes_per_token(n_states: int, hidden_size: int, storage: str, final_normed: bool = False) -> float:
-    per = {"bf16": n_states * hidden_size * 2, "fp8": n_states * (hidden_size + 4),
+    per = {"bf16": n_states * hidden_size * 2, "fp8": (n_states - 1) * (hidden_size + 4) + hidden_size * 2,
            "fp32": n_states * hidden_size * 4}[storage]
     return per + 8 + (hidden_size * (4 if storage == "fp32" else 2) if final_normed else 0)  # + int64 token id (+ normed final state)
 
@@ -108,7 +108,7 @@ def preflight(samples, n_states: int, hidden_size: int, storage: str, out_dir: P
         raise PreflightError(
             f"extraction needs about {need / 1e9:.2f} GB ({tokens} tokens x {n_states} layers x {hidden_size} x "
             f"{storage}) but {probe} has {free / 1e9:.2f} GB free. Fix: free space, choose another --out, use "
-            f"--storage fp8 (about half), or fewer samples/tokens")
+            f"--storage fp8 (about 0.6 of bf16), or fewer samples/tokens")
     return est
 
 

@@ -11,8 +11,8 @@ What it takes, from where (SGLang 0.5.14, Llama-style models; DESIGN.md lists th
     skipped), ``rids``, ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu`` (rows are packed in ``rids`` order).
 
 Hot path per selected forward: per hooked layer one add (and, for mixed batches, a gather) written into its slot
-of one ``[rows, slots, H]`` block on the GPU (the file's layout; with fp8 storage encoded there, ``fp8_encode``, so
-half the bytes cross), then one copy of the block on a side stream into
+of one ``[rows, slots, H]`` block on the GPU (the file's layout; with fp8 storage encoded there, ``fp8_encode_states``, so
+fewer bytes cross: the aux slots in e4m3, the final one in bf16), then one copy of the block on a side stream into
 a pinned shared-memory ring; a separate writer process (``writer_process.py``) splits,
 reassembles chunks and writes, so no file work runs under the scheduler's GIL. Every hook body is wrapped: an
 exception is counted and reported in ``_status.rank<r>.json``, never raised into SGLang.
@@ -27,7 +27,7 @@ import time
 import torch
 
 from eagle3kit.capture.assemble import gather_index, select_rows
-from eagle3kit.capture.format import capture_metadata, fp8_encode, write_marker
+from eagle3kit.capture.format import capture_metadata, fp8_encode_states, write_marker
 from eagle3kit.capture.rid import RID_PREFIX
 from eagle3kit.capture.writer import Job
 from eagle3kit.capture.writer_process import WriterProcess, allow_profiler
@@ -233,9 +233,8 @@ class CaptureSession:
         if inject:
             self._fail_once -= inject
             raise RuntimeError(f"injected fault for {sorted(inject)} (fail_keys_once)")
-        if self._fp8:  # encoded where the states are (the GPU): half the bytes to copy, no quantizing on the host
-            q, scale = fp8_encode(st.states)
-            tensors = {"hidden_states_fp8": self._copy(st, q), "hidden_states_scale": self._copy(st, scale)}
+        if self._fp8:  # encoded where the states are (the GPU): fewer bytes to copy, no quantizing on the host
+            tensors = {name: self._copy(st, x) for name, x in fp8_encode_states(st.states).items()}
         else:
             tensors = {"hidden_states": self._copy(st, st.states) if st.states.is_cuda else st.states}
         # the logits processor's input_ids; a multimodal wrapper (Kimi-K2.5's kimi_k25.py) embeds the tokens itself
