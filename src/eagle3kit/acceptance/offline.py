@@ -81,6 +81,9 @@ def evaluate_drafter(drafter_dir, data, steps: int = 7, split: str = "heldout", 
     for n in range(1, steps + 1):  # what serving would accept walking each reply (see objective.serving_walk)
         tokens, rounds = walk[n - 1].tolist()
         m[f"offline_walk_accept_length_{n}"] = tokens / rounds if rounds else 1.0
+    del run, counts
+    if torch.cuda.is_available():  # 05 evaluates before its SGLang servers start: leave them the memory
+        torch.cuda.empty_cache()
     return m
 
 
