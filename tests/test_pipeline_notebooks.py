@@ -24,7 +24,8 @@ def test_demo_pipeline_small(tmp_path):
     assert m["capture_concurrent_requests"] == 16 and m["capture_mismatches"] == 0
     assert m["capture_max_rel_err"] < 0.01  # batched vs single forward, fp32 reference stored in bf16
     assert m["extract_failed"] == 0 and m["extract_samples"] == m["extract_verified"] > 0
-    assert 0.5 < m["bytes_ratio_best"] < 0.6 and m["fp8_read_back_rel_err"] < 0.05
+    # fp8: the aux slots in e4m3 with a scale each, the last slot (the teacher's input) in bf16: 5/8 of bf16 for 4 slots
+    assert 0.6 < m["bytes_ratio_best"] < 0.66 and m["fp8_read_back_rel_err"] < 0.05
     assert m["train_steps"] > 0 and m["heldout_loss_pos0"] < m["initial_heldout_loss_pos0"]
     assert m["train_acc_pos0"] > m["baseline_acc_pos0"] and m["export_doctor_ok"] and m["export_loadback_max_rel_err"] < 0.05
     assert m["offline_acc_pos0"] > m["offline_baseline_acc_pos0"] and m["offline_tau_3"] >= m["offline_tau_1"] > 1.0
