@@ -47,6 +47,7 @@ CASES = [  # (extra args, words the message must hold)
     (["--data", "good.json", "--regenerate", "--regenerate-servers", "0"], ["--regenerate-servers 0", ">= 1"]),
     (["--data", "good.json", "--regenerate", "--regenerate-servers", "2"], ["--regenerate-servers 2", "--engine sglang"]),
     (["--data", "good.json", "--out", "afile"], ["--out", "afile is a file"]),
+    (["--data", "good.json", "--reference-batch-tokens", "-1"], ["--reference-batch-tokens -1", "0 (one prompt"]),
 ]
 
 

@@ -196,6 +196,8 @@ def test_fp8_storage_is_read_back_by_training(tmp_path, samples, reference, targ
     bf16 = {e["key"]: e["bytes"] for e in read_manifest(extracted[0]).values()}
     ratio = s["bytes"] / sum(bf16[x.key] for x in samples[:2])
     assert 0.55 < ratio < 0.75, ratio  # fp8 hidden states + scales; the normed final state stays bf16
+    # the preflight's estimate (bytes_per_token) is the layout written: aux slots e4m3 + scales, the last slot bf16
+    assert abs(s["estimated_bytes"] - s["bytes"]) / s["bytes"] < 0.03, (s["estimated_bytes"], s["bytes"])
     assert verify(out).passed
 
 

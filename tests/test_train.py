@@ -51,6 +51,8 @@ def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
         time.sleep(0.05)
     p.wait()
     assert killed_at is not None and killed_at < 14 and not (cut / "metrics.json").exists(), "not interrupted"
+    with open(cut / "train_log.jsonl", "a") as f:  # what a kill in the middle of a log row leaves
+        f.write('{"step": 99, "lo')
     r = subprocess.run(_cli(small_dataset, cut, extra), env=_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout
@@ -60,6 +62,8 @@ def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
         assert torch.equal(a[k], b[k]), k
     m = json.loads((cut / "metrics.json").read_text())
     assert m["train_steps"] == 14
+    rows = [json.loads(x) for x in (cut / "train_log.jsonl").read_text().splitlines()]  # the torn row was cut
+    assert rows[-1]["step"] == 14 and 99 not in [r["step"] for r in rows]
 
 
 def test_two_gloo_ranks_equal_one_rank_with_the_same_global_batch(small_dataset, tmp_path):

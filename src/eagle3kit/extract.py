@@ -17,8 +17,8 @@ from pathlib import Path
 from eagle3kit.capture.format import STORAGES
 from eagle3kit.data.conversations import load_conversations, split_of
 from eagle3kit.data.render import mask_spans, render
-from eagle3kit.store import (ManifestWriter, StoreError, check_settings, compact_manifest, read_manifest,
-                             token_sha256, verify)
+from eagle3kit.store import (ManifestWriter, StoreError, check_settings, compact_manifest, cut_torn_tail,
+                             read_manifest, token_sha256, verify)
 
 
 class PreflightError(RuntimeError):
@@ -334,8 +334,6 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
         mine = [c for i, c in enumerate(convs) if i % world_size == rank and c["id"] not in done]
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            from eagle3kit.store import cut_torn_tail
-
             cut_torn_tail(cache)  # the torn reply _read_regenerated dropped: appended to, it would join the next one
         if mine and regenerate_seconds and hasattr(regenerate_with, "prepare"):
             regenerate_with.prepare()  # servers started before the budget's clock: it counts replies only
