@@ -1,6 +1,7 @@
 """Extraction on the reference engine: files, manifest, resume after a real kill, verify, preflight, exporters."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -566,3 +567,62 @@ def test_fp8_storage_keeps_the_teachers_input_exact(samples, reference):
             n += len(s.input_ids)
     print(f"argmax moved: {new_flips} (bf16 last slot), {old_flips} (e4m3 last slot) of {n} tokens")
     assert new_flips == 0 and old_flips > 0, (new_flips, old_flips, n)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_half_written_files_of_writers_that_are_gone_are_removed_and_no_other(tmp_path):
+    """A capture server stopped mid-write (the disk full, gpu-drafter-pipeline-10/faults) leaves
+    ``.<file>.<pid>.<thread>.tmp``: removed once its process is gone; a living writer's file, a young one under
+    ``min_age_s`` and files that are not a writer's are kept."""
+    from eagle3kit.capture.format import remove_dead_writers_tmp
+
+    dead, me = _dead_pid(), os.getpid()
+    gone = tmp_path / f".s0000311.rank0.safetensors.{dead}.140133038814912.tmp"
+    live = tmp_path / f".s0000312.rank0.safetensors.{me}.1.tmp"
+    other = tmp_path / ".notes.tmp"
+    for f in (gone, live, other):
+        f.write_bytes(b"x" * 10)
+    assert remove_dead_writers_tmp(tmp_path, min_age_s=60) == 0 and gone.exists()  # too young for a sweep at start
+    os.utime(gone, (time.time() - 120, time.time() - 120))
+    assert remove_dead_writers_tmp(tmp_path, min_age_s=60) == 1
+    assert not gone.exists() and live.exists() and other.exists()
+
+
+def test_a_resume_removes_a_stopped_writers_half_written_file(tmp_path, extracted, samples, reference, target_path,
+                                                             capsys):
+    src, _ = extracted
+    out = tmp_path / "copy"
+    shutil.copytree(src, out)
+    left = out / "samples" / f".s0000999.rank0.safetensors.{_dead_pid()}.7.tmp"
+    left.write_bytes(b"\0" * 4096)
+    os.utime(left, (time.time() - 600, time.time() - 600))
+    again = extract(samples, out, ReferenceBackend(reference), settings(target_path), progress=False)
+    assert again["already_done"] == len(samples) and not left.exists()
+    assert "removed 1 half-written temporary files" in capsys.readouterr().out
+
+
+def test_stopping_the_capture_server_removes_what_it_was_writing(tmp_path):
+    """The extraction stops its own server (disk full, interrupted): the sample that server was writing stays
+    half-written under its temporary name unless the backend sweeps once the server is gone."""
+    from eagle3kit.extract import SGLangBackend
+
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    left = tmp_path / f".s0000311.rank0.safetensors.{writer.pid}.3.tmp"
+    left.write_bytes(b"\0" * 4096)
+
+    class Server:  # stands in for capture.server.Server: stop() ends the process that was writing
+        url = "http://127.0.0.1:1"
+
+        def stop(self):
+            writer.kill()
+            writer.wait()
+
+    b = SGLangBackend([], start_server=Server)
+    b.prepare()
+    b.close(tmp_path)
+    assert not left.exists()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3kit.capture.format import STORAGES
+from eagle3kit.capture.format import STORAGES, remove_dead_writers_tmp
 from eagle3kit.data.conversations import load_conversations, split_of
 from eagle3kit.data.render import mask_spans, render
 from eagle3kit.store import (ManifestWriter, StoreError, check_settings, compact_manifest, cut_torn_tail,
@@ -124,7 +124,7 @@ class ReferenceBackend:
     def prepare(self) -> None:  # the model is loaded already
         pass
 
-    def close(self) -> None:
+    def close(self, samples_dir: Path | None = None) -> None:
         pass
 
     def _one(self, samples_dir: Path, s: Sample, tensors=None) -> dict:
@@ -192,10 +192,14 @@ class SGLangBackend:
         client = CaptureClient(self.urls, samples_dir, timeout=self.timeout)
         client.capture_many(((s.key, s.input_ids) for s in todo), concurrency=self.concurrency, on_done=on_done)
 
-    def close(self) -> None:
+    def close(self, samples_dir: Path | None = None) -> None:
         if self.server is not None:
             self.server.stop()
             self.server = None
+            if samples_dir is not None:  # a sample it was writing when stopped: its temporary file goes too
+                swept = remove_dead_writers_tmp(samples_dir, wait_s=10)
+                if swept:
+                    print(f"[extract] removed {swept} half-written temporary files of the stopped server", flush=True)
 
 
 def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: bool = True, retries: int = 1) -> dict:
@@ -207,6 +211,11 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
     check_settings(out_dir, settings)
     samples_dir = out_dir / "samples"
     samples_dir.mkdir(parents=True, exist_ok=True)
+    # a run stopped mid-write (killed, or its server was) left half-written temporary files: never data, and
+    # they hold disk space a resume needs (a minute old at least: a writer of another pid namespace looks dead)
+    swept = remove_dead_writers_tmp(samples_dir, min_age_s=60)
+    if swept:
+        print(f"[extract] removed {swept} half-written temporary files of writers that are gone", flush=True)
     malformed: list = []
     done = read_manifest(out_dir, malformed)
     by_key = {s.key: s for s in samples}
@@ -292,7 +301,7 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
             full, totals["unlisted"] = True, manifest.queued()
         if bar is not None:
             bar.close()
-        backend.close()
+        backend.close(samples_dir)
     if full:
         raise _disk_full_error(out_dir, todo, totals, failures)
     return {"samples": len(samples), "already_done": len(samples) - len(todo), "repaired": len(repair),

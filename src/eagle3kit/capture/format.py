@@ -186,6 +186,45 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_dead_writers_tmp(samples_dir, wait_s: float = 0.0, min_age_s: float = 0.0) -> int:
+    """Remove the temporary files (``.<file>.<pid>.<thread>.tmp``) of writers whose process is gone: a capture server
+    stopped or killed while it wrote a sample (the disk full, the run interrupted) leaves its half-written file, which
+    no rename will ever claim (seen on the GPU, gpu-drafter-pipeline-10/faults). A living writer's file is kept;
+    ``wait_s`` gives a process that is still exiting that long to go, ``min_age_s`` keeps files younger than that
+    (a writer in another pid namespace looks dead from here). Returns how many were removed."""
+    end = time.time() + wait_s
+    removed = 0
+    while True:
+        alive = 0
+        for f in Path(samples_dir).glob(".*.tmp"):
+            try:
+                pid = int(f.name.split(".")[-3])
+            except (ValueError, IndexError):
+                continue  # not a writer's temporary file
+            try:
+                old = time.time() - f.stat().st_mtime >= min_age_s
+            except FileNotFoundError:
+                continue  # renamed or removed meanwhile
+            if _pid_alive(pid) or not old:
+                alive += 1
+                continue
+            f.unlink(missing_ok=True)
+            removed += 1
+        if not alive or time.time() >= end:
+            return removed
+        time.sleep(0.2)
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     tmp = _tmp_name(path)
     try:
