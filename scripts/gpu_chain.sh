@@ -35,13 +35,20 @@
 # (the spread of two trainings of one recipe); gpu_fit_train.sh with OVERHEAD_S 220 when several train at once (their
 # setup and evaluations took ~200 s of the phase, not the 120 s given, and the serve phase lost its last minute).
 # 05 now proves before the rounds and evaluates the controls offline before its servers start.
+# The fp8/seed session (gpu-drafter-pipeline-10, 2026-12-02): E3K_CHAIN="data:440 train+faults@30:560 serve:450",
+# E3K_MAX_SAMPLES=4000 with final_normed=false, E3K_DATA_CONTROLS="fp8", E3K_CONTROLS="fp8 seed1", E3K_TRAIN_STEPS=1000,
+# serve with sweep_steps=[3] trees=[] prompts_per_conc={"1":32,"8":64,"32":128}: 03 needed ~590 s at 4,000
+# conversations (regeneration with the servers' start 272 s, capture 16 s, then its checks: cut at 440 s in the
+# reference spot check / resume check; give data 600 at this size); three trainings of 1,000 steps at ~35 K tokens/s
+# each took 197 s of steps but 160 s of setup and 131 s of evaluations (535 s for the group); serve complete in 358 s.
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. The trainer's compile_layers passed its GPU test
 # (gpu-drafter-pipeline-8/tests: the eager layers' loss and gradients within 0.25 %); its speed A/B is still to run
 # (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20, ~2 min), then the
 # training with E3K_TRAIN_SETS="--set 04_train.compile_layers=true" if it is faster (eager again if its trial fails).
 # The full disk under SGLang's own writer (faults, E3K_FAULTS_K=disk_full E3K_FAULTS_TRIAL=0: two server starts and a
-# 600-sample extraction into a tmpfs, 363 s beside five trainings) ran once (-9) and failed on a torn manifest line the
-# resume appended to (fixed since, store.cut_torn_tail): to run again, e.g. beside the training as train+faults@30.
+# 600-sample extraction into a tmpfs, 363 s beside five trainings) ran in -9 and failed on a torn manifest line the
+# resume appended to (fixed, store.cut_torn_tail); in -10 the resume was right and it failed on the stopped server's
+# half-written temporary file (fixed, format.remove_dead_writers_tmp): to run again, e.g. as train+faults@30.
 # Poll back to back: the machine is taken back ~30 s after a call returns, chain and data with it (2026-12-01: a
 # poll started late lost a training at 52 % and the serve phase; later a transient error on the caller's side lost a
 # fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash
