@@ -87,6 +87,13 @@ drafter_phase() {  # $1 phase, $2 record folder
       # E3K_TRAIN_STEPS: the same optimizer steps for the main drafter and every control (fit_schedule fits each run to
       # its own pace: in -9 the five ran 987 to 1,071 steps), the minutes only a safety net that cuts a slower run
       local same=${E3K_TRAIN_STEPS:+max_steps=$E3K_TRAIN_STEPS}
+      # several trainings at once share the machine's cores: each its share of torch's threads and of inductor's
+      # compile workers (by default every process takes all 16 cores for both). With three at once setup took 160 s and
+      # the evaluations 131 s of each (-10; alone 23 s and 36 s in -8), the compiles of flex attention in each process
+      # racing. Unmeasured yet: the next controls' session reads train_setup_seconds against -10's
+      local n; n=$(( 1 + $(wc -w <<< "$CONTROLS") ))
+      [ "$n" -gt 1 ] && export OMP_NUM_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 )) \
+        TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 )) && echo "$n trainings: $OMP_NUM_THREADS threads each"
       python3 -m eagle3kit.cli run $P --only 04_train --run-dir "$R" --set 04_train.max_minutes=$mins ${same:+--set 04_train.$same} \
         ${E3K_TRAIN_SETS:-} > "$rec/run-04.log" 2>&1 & pids+=($!)
       for c in $CONTROLS; do
