@@ -41,6 +41,9 @@
 # conversations (regeneration with the servers' start 272 s, capture 16 s, then its checks: cut at 440 s in the
 # reference spot check / resume check; give data 600 at this size); three trainings of 1,000 steps at ~35 K tokens/s
 # each took 197 s of steps but 160 s of setup and 131 s of evaluations (535 s for the group); serve complete in 358 s.
+# Next: the main pipeline alone (the default chain, E3K_MAX_SAMPLES=11000, no controls) for the fair speedup of a strong
+# drafter at batch 1, 8 and 32 (every batch-1 speedup before -9 carried the log-line handicap), with the disk-full test
+# beside its training (train+faults@30) for the fix of the stopped server's half-written file.
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. The trainer's compile_layers passed its GPU test
 # (gpu-drafter-pipeline-8/tests: the eager layers' loss and gradients within 0.25 %); its speed A/B is still to run
 # (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20, ~2 min), then the
