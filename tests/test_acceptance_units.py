@@ -624,6 +624,7 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     assert m["engine_control_accept_length"] == pytest.approx(1.3) and m["engine_speedup"] == pytest.approx(0.9)
     assert m["engine_breakeven_accept_length"] == pytest.approx(1.3 / 0.9)
     assert m["negative_control_accept_length"] == pytest.approx(1.1) and m["engine_offline_tau"] == 1.4
+    assert m["engine_offline_rel_diff"] == pytest.approx(1.4 / 2.5 - 1)  # against main's offline tau, same steps
     assert m["offline_online_rel_gap"] == pytest.approx(0.1 / 2.4)
     assert m["offline_walk_accept_length"] == 2.2 and m["offline_walk_online_rel_gap"] == pytest.approx(0.2 / 2.4)
     # the walk over the very replies batch 1 decoded (their conversations' first replies), beside the online figure
@@ -826,3 +827,17 @@ def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     assert labels[0] == "trained (SGLang states)\noffline tau 2.000", labels
     assert labels[3] == "states from transformers\ndoctor: ok · cost [-0.05, +0.29] · offline tau 1.900 (-5.0%)", labels
     assert (tmp_path / "c.png").exists() and (tmp_path / "k.png").exists()
+
+
+def test_control_offline_figures_are_against_mains_tau_at_the_same_steps():
+    """fp8's storage goal (#11: within 2 %) read from the offline figures: each control's tau and its change against
+    the main drafter's at the serving steps; a control without an offline figure, or a run without main's, gets no
+    change (never one against 0 or another step count)."""
+    from eagle3kit.acceptance.experiment import control_offline
+
+    offline = {"main": {"offline_tau_3": 2.0, "offline_tau_5": 2.4}, "fp8": {"offline_tau_3": 1.99, "offline_tau_5": 9.0},
+               "seed1": {"offline_tau_3": 1.97}, "engine": {"offline_tau_5": 2.0}}
+    m = control_offline({"fp8": "a", "seed1": "b", "engine": "c", "original": "d"}, offline, 3)
+    assert m == {"fp8_offline_tau": 1.99, "fp8_offline_rel_diff": pytest.approx(-0.005),
+                 "seed1_offline_tau": 1.97, "seed1_offline_rel_diff": pytest.approx(-0.015)}, m
+    assert control_offline({"fp8": "a"}, {"fp8": {"offline_tau_3": 1.99}}, 3) == {"fp8_offline_tau": 1.99}
