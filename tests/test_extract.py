@@ -80,6 +80,14 @@ def test_verify_catches_corruption_and_missing_files(tmp_path, extracted):
     problems = {p["key"]: p["problem"] for p in rep.problems}
     assert not rep.passed and "checksum" in problems[entries[0]["key"]] and "missing" in problems[entries[1]["key"]]
     assert rep.ok == len(entries) - 2
+    # threads check samples at once; the report is the same, problems in the samples' order, whatever their number
+    # (a fourth sample's file cut short: three problems on three threads)
+    cut = out / "samples" / entries[3]["file"]
+    cut.write_bytes(cut.read_bytes()[:-4])
+    reports = [verify(out, workers=w) for w in (1, 3, 16)]
+    assert [r.problems for r in reports[1:]] == [reports[0].problems] * 2, reports
+    assert [p["key"] for p in reports[0].problems] == [entries[i]["key"] for i in (0, 1, 3)]
+    assert {(r.checked, r.ok) for r in reports} == {(len(entries), len(entries) - 3)}
 
 
 def test_a_resume_repairs_what_fails_verification(tmp_path, extracted, samples, reference, target_path):
