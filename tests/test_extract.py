@@ -634,3 +634,23 @@ def test_stopping_the_capture_server_removes_what_it_was_writing(tmp_path):
     b.prepare()
     b.close(tmp_path)
     assert not left.exists()
+
+
+def test_all_finite_agrees_with_torch_on_every_bf16_bit_pattern():
+    """verify's finite-value check reads bf16 bits (exponent all ones: inf or NaN); on all 65,536 bf16 values, one
+    at a time among finite ones, it says what torch.isfinite says, and it is torch.isfinite for other dtypes."""
+    from eagle3kit.store import all_finite
+
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    want = torch.isfinite(every)
+    base = torch.ones(3, 5, dtype=torch.bfloat16)
+    got = []
+    for v in every:
+        x = base.clone()
+        x[1, 2] = v
+        got.append(all_finite(x))
+    assert torch.tensor(got).equal(want) and int((~want).sum()) == 2 * 128  # exponent all ones: +-inf, 254 NaNs
+    assert all_finite(every[want]) and not all_finite(every)
+    assert all_finite(torch.zeros(0, dtype=torch.bfloat16))
+    assert not all_finite(torch.tensor([1.0, float("nan")])) and all_finite(torch.tensor([1.0, 3e38]))
+    assert not all_finite(torch.ones(4, 4, dtype=torch.bfloat16).t()[1:, :].clone().t().contiguous().fill_(float("inf")))

@@ -243,6 +243,15 @@ def require_dataset(out_dir) -> Path:
     return out_dir
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No inf or NaN in ``t``. bf16 by its bits (a value is inf or NaN when its 8 exponent bits are all set): one
+    masked max in numpy, ~12x faster than ``torch.isfinite(t).all()`` on a CPU, which took 60 % of ``verify``'s time
+    (benchmarks/verify_throughput.py under cProfile); other dtypes by ``torch.isfinite``."""
+    if t.dtype == torch.bfloat16 and t.numel():
+        return int((t.contiguous().view(torch.int16).numpy() & 0x7F80).max()) != 0x7F80
+    return bool(torch.isfinite(t).all())
+
+
 def verify(out_dir, expected_states: int | None = None, hidden_size: int | None = None,
            workers: int | None = None) -> VerifyReport:
     """Every manifest entry: file present, checksum, token ids, length, layer count, hidden size, finite values.
@@ -276,7 +285,7 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
             return f"{hs.shape[1]} layers, expected {expected_states}"
         if hidden_size and hs.shape[2] != hidden_size:
             return f"hidden size {hs.shape[2]}, expected {hidden_size}"
-        if not torch.isfinite(hs).all():
+        if not all_finite(hs):
             return "non-finite values"
         return None
 
