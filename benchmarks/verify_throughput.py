@@ -23,16 +23,17 @@ import torch
 
 
 def make_dataset(d: Path, samples: int, tokens: int, hidden: int, storage: str, slots: int = 4) -> int:
-    """A data set ``verify`` accepts; returns its bytes on disk."""
+    """A data set ``verify`` accepts, written as extraction writes one (its settings, the capture's sample writer, the
+    manifest writer); returns its bytes on disk."""
     from eagle3kit.capture.format import write_sample
-    from eagle3kit.store import MANIFEST, SETTINGS, token_sha256
+    from eagle3kit.store import ManifestWriter, check_settings, token_sha256
 
     shutil.rmtree(d, ignore_errors=True)
     (d / "samples").mkdir(parents=True)
     layer_ids = list(range(1, slots + 1))
-    (d / SETTINGS).write_text(json.dumps({"layer_ids": layer_ids, "hidden_size": hidden, "storage": storage}))
+    check_settings(d, {"layer_ids": layer_ids, "hidden_size": hidden, "storage": storage})
     g = torch.Generator().manual_seed(0)
-    total, lines = 0, []
+    total, manifest = 0, ManifestWriter(d)
     for i in range(samples):
         key = f"s{i:07d}"
         ids = torch.randint(0, 49152, (tokens,), generator=g)
@@ -40,10 +41,10 @@ def make_dataset(d: Path, samples: int, tokens: int, hidden: int, storage: str, 
         m = write_sample(d / "samples", key, 0, {"hidden_states": hs, "token_ids": ids},
                          {"engine": "benchmark", "layer_ids": layer_ids}, storage)
         total += m["bytes"]
-        lines.append(json.dumps({"key": key, "index": i, "split": "train", "n_tokens": tokens, "file": m["file"],
-                                 "bytes": m["bytes"], "sha256": m["sha256"], "token_sha256": token_sha256(ids),
-                                 "loss_spans": [[0, tokens]], "storage": storage}))
-    (d / MANIFEST).write_text("\n".join(lines) + "\n")
+        manifest.append({"key": key, "index": i, "split": "train", "n_tokens": tokens, "file": m["file"],
+                         "bytes": m["bytes"], "sha256": m["sha256"], "token_sha256": token_sha256(ids),
+                         "loss_spans": [[0, tokens]], "storage": storage}, d / "samples" / m["file"])
+    manifest.close()
     return total
 
 

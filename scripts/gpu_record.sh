@@ -91,9 +91,8 @@ drafter_phase() {  # $1 phase, $2 record folder
       # compile workers (by default every process takes all 16 cores for both). With three at once setup took 160 s and
       # the evaluations 131 s of each (-10; alone 23 s and 36 s in -8), the compiles of flex attention in each process
       # racing. Unmeasured yet: the next controls' session reads train_setup_seconds against -10's
-      local n; n=$(( 1 + $(wc -w <<< "$CONTROLS") ))
-      [ "$n" -gt 1 ] && export OMP_NUM_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 )) \
-        TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 )) && echo "$n trainings: $OMP_NUM_THREADS threads each"
+      local n share; n=$(( 1 + $(wc -w <<< "$CONTROLS") )); share=$(( $(nproc) / n > 0 ? $(nproc) / n : 1 ))
+      [ "$n" -gt 1 ] && export OMP_NUM_THREADS=$share TORCHINDUCTOR_COMPILE_THREADS=$share && echo "$n trainings: $share threads each"
       python3 -m eagle3kit.cli run $P --only 04_train --run-dir "$R" --set 04_train.max_minutes=$mins ${same:+--set 04_train.$same} \
         ${E3K_TRAIN_SETS:-} > "$rec/run-04.log" 2>&1 & pids+=($!)
       for c in $CONTROLS; do

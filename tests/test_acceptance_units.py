@@ -822,7 +822,10 @@ def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     labels = [x.get_text() for x in compare.controls_plot(m, "t").axes[0].get_yticklabels()][::-1]
     assert labels == ["trained (SGLang states)", "layer ids off by one\ndoctor flags it · cost [+0.03, +0.22]",
                       "final slot post-norm\ndoctor flags it", "states from transformers\ndoctor: ok · cost [-0.05, +0.29]"]
-    m.update(offline_tau=2.0, engine_offline_tau=1.9)  # the offline figure beside, with its change against main's
+    from eagle3kit.acceptance import experiment
+
+    m.update(offline_tau=2.0, **experiment.control_offline(["engine"], {"main": {"offline_tau_3": 2.0},
+                                                                       "engine": {"offline_tau_3": 1.9}}, 3))
     labels = [x.get_text() for x in compare.controls_plot(m, "t").axes[0].get_yticklabels()][::-1]
     assert labels[0] == "trained (SGLang states)\noffline tau 2.000", labels
     assert labels[3] == "states from transformers\ndoctor: ok · cost [-0.05, +0.29] · offline tau 1.900 (-5.0%)", labels

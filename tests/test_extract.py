@@ -81,13 +81,24 @@ def test_verify_catches_corruption_and_missing_files(tmp_path, extracted):
     assert not rep.passed and "checksum" in problems[entries[0]["key"]] and "missing" in problems[entries[1]["key"]]
     assert rep.ok == len(entries) - 2
     # threads check samples at once; the report is the same, problems in the samples' order, whatever their number
-    # (a fourth sample's file cut short: three problems on three threads)
+    # (a fourth sample's file cut short)
     cut = out / "samples" / entries[3]["file"]
     cut.write_bytes(cut.read_bytes()[:-4])
+    # and a fifth sample rewritten with one NaN under a matching checksum: only the finite-value scan can see it
+    from eagle3kit.capture.format import read_sample, write_sample
+
+    t, meta = read_sample(out / "samples" / entries[4]["file"])
+    t["hidden_states"] = t["hidden_states"].clone()
+    t["hidden_states"][2, 1, 5] = float("nan")
+    w = write_sample(out / "samples", entries[4]["key"], 0, t, meta, "bf16")
+    m = out / "manifest.jsonl"
+    m.write_text("".join(json.dumps({**e, "sha256": w["sha256"], "bytes": w["bytes"]}) + "\n"
+                         if e["key"] == entries[4]["key"] else json.dumps(e) + "\n" for e in entries))
     reports = [verify(out, workers=w) for w in (1, 3, 16)]
     assert [r.problems for r in reports[1:]] == [reports[0].problems] * 2, reports
-    assert [p["key"] for p in reports[0].problems] == [entries[i]["key"] for i in (0, 1, 3)]
-    assert {(r.checked, r.ok) for r in reports} == {(len(entries), len(entries) - 3)}
+    assert [p["key"] for p in reports[0].problems] == [entries[i]["key"] for i in (0, 1, 3, 4)]
+    assert reports[0].problems[-1]["problem"] == "non-finite values", reports[0].problems
+    assert {(r.checked, r.ok) for r in reports} == {(len(entries), len(entries) - 4)}
 
 
 def test_a_resume_repairs_what_fails_verification(tmp_path, extracted, samples, reference, target_path):
@@ -599,6 +610,9 @@ def test_half_written_files_of_writers_that_are_gone_are_removed_and_no_other(tm
     os.utime(gone, (time.time() - 120, time.time() - 120))
     assert remove_dead_writers_tmp(tmp_path, min_age_s=60) == 1
     assert not gone.exists() and live.exists() and other.exists()
+    from eagle3kit.capture.format import _tmp_name, _tmp_writer_pid  # the sweep reads the name the writer makes
+    assert _tmp_writer_pid(_tmp_name(tmp_path / "s0000001.rank0.safetensors")) == me
+    assert _tmp_writer_pid(other) is None and _tmp_writer_pid(tmp_path / ".manifest.jsonl.tmp") is None
 
 
 def test_a_resume_removes_a_stopped_writers_half_written_file(tmp_path, extracted, samples, reference, target_path,

@@ -244,10 +244,10 @@ def require_dataset(out_dir) -> Path:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """No inf or NaN in ``t``. bf16 by its bits (a value is inf or NaN when its 8 exponent bits are all set): one
-    masked max in numpy, ~12x faster than ``torch.isfinite(t).all()`` on a CPU, which took 60 % of ``verify``'s time
-    (benchmarks/verify_throughput.py under cProfile); other dtypes by ``torch.isfinite``."""
-    if t.dtype == torch.bfloat16 and t.numel():
+    """No inf or NaN in ``t``. bf16 on the CPU by its bits (a value is inf or NaN when its 8 exponent bits are all
+    set): one masked max in numpy, ~12x faster than ``torch.isfinite(t).all()``, which took most of ``verify``'s time
+    (benchmarks/verify_throughput.py under cProfile); other dtypes and devices by ``torch.isfinite``."""
+    if t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.numel():
         return int((t.contiguous().view(torch.int16).numpy() & 0x7F80).max()) != 0x7F80
     return bool(torch.isfinite(t).all())
 
@@ -256,8 +256,9 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
            workers: int | None = None) -> VerifyReport:
     """Every manifest entry: file present, checksum, token ids, length, layer count, hidden size, finite values.
     ``workers`` threads check samples at once (default: the cores, at most 8; hashing, decoding and the finite-value
-    scan release the GIL): one thread read a data set at ~1 GB/s, so 03's checks of a 35-GB GPU data set took minutes
-    (gpu-drafter-pipeline-8, -10). Problems are reported in the samples' order whatever the number of workers."""
+    scan release the GIL): one thread checked ~0.4 GB/s before the bit-level finite check, ~0.8 GB/s after (2-core CPU,
+    benchmarks/verify_throughput.py), and 03's checks of GPU data sets (17.8 GB in gpu-drafter-pipeline-10, 35 GB in
+    -8) ran past their phase's limit. Problems are reported in the samples' order whatever the number of workers."""
     out_dir = require_dataset(out_dir)
     settings = json.loads((out_dir / SETTINGS).read_text()) if (out_dir / SETTINGS).exists() else {}
     expected_states = expected_states or (len(settings["layer_ids"]) if "layer_ids" in settings else None)

@@ -133,17 +133,17 @@ CONTROLS = [("trained (SGLang states)", "online", ""), ("layer ids off by one", 
 def control_label(m: dict, label: str, key: str, doctor: str) -> str:
     """A control's bar label: the mistake, whether the doctor flags it before serving, what it costs against the
     trained drafter on the same prompts (the paired 95 % interval; above 0: the cost exceeds the prompts' spread),
-    and its offline tau on its held-out split with the change against the trained drafter's (tens of thousands of
-    rows: finer than the prompts served; gpu-drafter-pipeline-10's fp8 -0.2 % against the seed's -1.5 %)."""
+    and its offline tau on its held-out split with the change against the trained drafter's
+    (``experiment.control_offline``: tens of thousands of rows, finer than the prompts served)."""
     parts = [label]
     if doctor and m.get(f"{doctor}_doctor_ok") is not None:
         parts.append("doctor flags it" if m[f"{doctor}_doctor_ok"] is False else "doctor: ok")
     lo, hi = m.get(f"{key}_accept_cost_ci95_low"), m.get(f"{key}_accept_cost_ci95_high")
     if lo is not None and hi is not None:
         parts.append(f"cost [{lo:+.2f}, {hi:+.2f}]")
-    tau, main = m.get(f"{doctor}_offline_tau" if doctor else "offline_tau"), m.get("offline_tau")
+    tau, rel = m.get(f"{doctor}_offline_tau" if doctor else "offline_tau"), m.get(f"{doctor}_offline_rel_diff")
     if tau is not None:
-        parts.append(f"offline tau {tau:.3f}" + (f" ({tau / main - 1:+.1%})" if doctor and main else ""))
+        parts.append(f"offline tau {tau:.3f}" + (f" ({rel:+.1%})" if doctor and rel is not None else ""))
     return "\n".join([parts[0], " · ".join(parts[1:])]) if len(parts) > 1 else parts[0]
 
 

@@ -186,6 +186,15 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
 
 
+def _tmp_writer_pid(tmp: Path) -> int | None:
+    """The writer's pid in a name ``_tmp_name`` made; None for any other file."""
+    parts = tmp.name.split(".")
+    try:
+        return int(parts[-3]) if tmp.name.startswith(".") and parts[-1] == "tmp" and len(parts) >= 5 else None
+    except ValueError:
+        return None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -207,9 +216,8 @@ def remove_dead_writers_tmp(samples_dir, wait_s: float = 0.0, min_age_s: float =
     while True:
         alive = 0
         for f in Path(samples_dir).glob(".*.tmp"):
-            try:
-                pid = int(f.name.split(".")[-3])
-            except (ValueError, IndexError):
+            pid = _tmp_writer_pid(f)
+            if pid is None:
                 continue  # not a writer's temporary file
             try:
                 old = time.time() - f.stat().st_mtime >= min_age_s

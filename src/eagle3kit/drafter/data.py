@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.store import SETTINGS, StoreError, read_manifest
+from eagle3kit.store import SETTINGS, StoreError, all_finite, read_manifest
 
 
 class SampleError(ValueError):
@@ -150,7 +150,7 @@ def align(sample: dict, n_states: int, hidden_size: int, max_rows: int | None = 
     n = hs.shape[0] - 1 if max_rows is None else min(hs.shape[0] - 1, max_rows)
     aux = hs[:n, :-1].reshape(n, -1)
     final = hs[1:n + 1, -1]
-    if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+    if not (all_finite(aux) and all_finite(final)):
         raise SampleError("non-finite hidden states")
     return {"aux": aux, "final": final, "input_ids": ids[1:n + 1].to(torch.int64),
             "loss_mask": mask[1:n + 1].to(torch.int64)}
