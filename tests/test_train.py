@@ -365,7 +365,8 @@ def test_several_packed_rows_in_one_forward_equal_each_row_alone(small_dataset, 
 def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monkeypatch):
     """compile_layers: dynamo takes each decoder layer whole (a backend that records the graphs it is given), and the
     compiled run ends with the eager run's weights; the comparison can fail (one optimizer step fewer is far outside
-    it). A compile that fails leaves the layers eager, says so, and the run trains the same weights."""
+    it). A compile that fails leaves the layers eager, says so, and the run trains the same weights, also when only
+    an evaluation's forward fails to compile."""
     import torch._dynamo
 
     from eagle3kit.drafter import train as T
@@ -379,6 +380,11 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
 
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler here")
+
+    def broken_in_eval(gm, example_inputs):  # the training step compiles, an evaluation's forward (no grad) does not
+        if not torch.is_grad_enabled():
+            raise RuntimeError("no compiler for evaluation")
+        return gm.forward
 
     extra = {"max_steps": 3, "save_every": 3, "eval_every": 3}
 
@@ -403,6 +409,14 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
         assert not fallback["train_compiled_layers"]
         for k in w_eager:
             torch.testing.assert_close(w_fallback[k], w_eager[k], rtol=1e-5, atol=1e-7)
+        # the compile's trial runs an evaluation's forwards too: a graph that fails only there is found at setup,
+        # not at the run's first evaluation (which would lose the run)
+        torch._dynamo.reset()
+        monkeypatch.setattr(T, "COMPILE_BACKEND", broken_in_eval)
+        eval_fallback, w_eval_fallback = run("eval_fallback", compile_layers=True)
+        assert not eval_fallback["train_compiled_layers"]
+        for k in w_eager:
+            torch.testing.assert_close(w_eval_fallback[k], w_eager[k], rtol=1e-5, atol=1e-7)
     finally:
         torch._dynamo.reset()
 

@@ -303,26 +303,37 @@ def _probe_flex(cfg: TrainConfig, model, device, aux_width: int) -> str:
         model.zero_grad(set_to_none=True)
 
 
-def _trial_step(cfg: TrainConfig, model, device, aux_width: int) -> None:
-    """One TTT forward and backward of ``model`` at the run's shapes (gradients left for the caller to clear)."""
+def _trial_step(cfg: TrainConfig, model, device, aux_width: int, rows: int | None = None,
+                train: bool = True) -> None:
+    """One TTT forward and backward of ``model`` at the run's shapes (gradients left for the caller to clear);
+    ``train=False``: the forward alone as an evaluation runs it (eval mode, no grad), ``rows`` packed rows."""
     from eagle3kit.drafter.ttt import draft_steps
 
-    n = cfg.tokens_per_batch * cfg.rows_per_batch
-    with _autocast(device):
-        out = draft_steps(model, torch.zeros(n, aux_width, device=device), torch.zeros(n, dtype=torch.long,
-                          device=device), torch.zeros(n, dtype=torch.long, device=device),
-                          torch.arange(n, device=device) % cfg.tokens_per_batch, cfg.ttt_steps,
-                          cfg.rows_per_batch, cfg.tokens_per_batch)
-        loss = sum(x.float().mean() for x in out)
-    loss.backward()
+    rows = rows or cfg.rows_per_batch
+    n = cfg.tokens_per_batch * rows
+    was = model.training
+    model.train(train)
+    try:
+        with _autocast(device), torch.set_grad_enabled(train):
+            out = draft_steps(model, torch.zeros(n, aux_width, device=device), torch.zeros(n, dtype=torch.long,
+                              device=device), torch.zeros(n, dtype=torch.long, device=device),
+                              torch.arange(n, device=device) % cfg.tokens_per_batch, cfg.ttt_steps, rows,
+                              cfg.tokens_per_batch)
+            loss = sum(x.float().mean() for x in out)
+        if train:
+            loss.backward()
+    finally:
+        model.train(was)
 
 
 def _compile_layers(cfg: TrainConfig, model, device, aux_width: int) -> bool:
     """compile_layers: each decoder layer compiled in place (``nn.Module.compile``: parameter names, checkpoints and
-    the export are unchanged), tried on one step at the run's shapes (which compiles it, as the first step would).
-    A failure leaves the layers eager and says so (the same network, slower) rather than losing the run. Each TTT
-    step of the layer holds a different number of keys so far (its own graph), training and evaluation differ in
-    grad mode: the recompile limit is raised to hold them all."""
+    the export are unchanged), tried on one training step at the run's shapes and on the forwards an evaluation runs
+    (eval mode, no grad, a batch of ``rows_per_batch`` rows and one of a single row), which compiles them as the
+    first step and the first evaluation would. A failure leaves the layers eager and says so (the same network,
+    slower) rather than losing the run at its first evaluation. Each TTT step of the layer holds a different number
+    of keys so far (its own graph), training and evaluation differ in grad mode and the last batch in rows: the
+    recompile limit is raised to hold them all."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * cfg.ttt_steps)
@@ -330,6 +341,8 @@ def _compile_layers(cfg: TrainConfig, model, device, aux_width: int) -> bool:
         layer.compile(dynamic=False, backend=COMPILE_BACKEND)
     try:
         _trial_step(cfg, model, device, aux_width)
+        for rows in sorted({cfg.rows_per_batch, 1}):
+            _trial_step(cfg, model, device, aux_width, rows=rows, train=False)
         return True
     except Exception as e:  # noqa: BLE001 - reported; the eager layers train the same network
         for layer in model.layers:
