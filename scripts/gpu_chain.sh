@@ -22,7 +22,8 @@
 # the compiled-layers GPU test beside it, still cut in 03's reference spot check at its 520-s limit (7,591 samples;
 # the capture server stopped 84 s before the limit, and the resume check's 35-GB verify took part of that; the
 # spot check now runs before the resume check), give it 560; training of
-# 8 min, 435 s; serve with 9 servers and 16/32/64 prompts, 289 s complete (servers healthy after 91 s), give it 330.
+# 8 min, 435 s; serve with 9 servers and 16/32/64 prompts, 289 s complete (servers healthy after 91 s), give it 330
+# (420 with 3 rounds).
 # Those ~150 s saved buy ~2 more minutes of training (tau(3): 3.029 after 8 min, 3.167 after 9 in -7).
 # The controls' session (gpu-drafter-pipeline-9, 2026-12-02): E3K_CHAIN="data:480 train+faults@30:600 serve:470",
 # E3K_MAX_SAMPLES=2000 (44 GB of data sets with the four controls' copies; the disk holds ~60), E3K_DATA_CONTROLS and
@@ -44,6 +45,17 @@
 # Next: the main pipeline alone (the default chain, E3K_MAX_SAMPLES=11000, no controls) for the fair speedup of a strong
 # drafter at batch 1, 8 and 32 (every batch-1 speedup before -9 carried the log-line handicap), with the disk-full test
 # beside its training (train+faults@30) for the fix of the stopped server's half-written file.
+# The main pipeline alone (gpu-drafter-pipeline-11, 2026-12-02): E3K_CHAIN="data:540 train+faults@30:600 serve:330",
+# E3K_MAX_SAMPLES=11000, final_normed=false, no controls, disk_full beside the training: data 462 s (8,734 samples,
+# 03 complete in 444 s), training 8.4 min fitted (3,915 steps, 351 s of steps at 77 K tokens/s, setup 56 s), the faults
+# test passed, serve complete in 305 s with 2 rounds (tau(3) 3.05, accept length 2.32, 1.06x at (5,1,6) inside the
+# rounds' 8-40 % spread). 05 now runs 3 rounds: give serve ~420 s (the default below). Then 180 s were left for
+# trainbench's compile A/B (E3K_TIMEOUT=140 E3K_BENCH_STEPS=20 E3K_BENCH_ROUNDS=1: 106 s, 1.22x in one round).
+# Next: the same chain with rounds 3, and trainbench with 2 rounds for the elementwise loss (a891ef3) and the compiled
+# layers (E3K_BENCH_ARGS="--passes compute --ab compile_layers=true"), before a training turns compile_layers on.
+# The tree that travels with each call grows with the records (34 MiB of files, 37 MiB allocated, on 2026-12-02): the
+# SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 25 MiB or
+# less, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged).
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. The trainer's compile_layers passed its GPU test
 # (gpu-drafter-pipeline-8/tests: the eager layers' loss and gradients within 0.25 %); its speed A/B is still to run
 # (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20, ~2 min), then the
@@ -79,7 +91,7 @@ kill_servers_of() {  # only this phase's SGLang processes: another chain (a seco
     tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$1" && kill -9 "$p" 2>/dev/null
   done
 }
-CHAIN=${E3K_CHAIN:-"data:560 train:600 serve:330"}
+CHAIN=${E3K_CHAIN:-"data:560 train:600 serve:420"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   group=${item%%:*} limit=${item#*:}
