@@ -679,7 +679,16 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
     m = experiment.summarize(plan, results, {}, {})
     assert m["online_best_setting"] == "tree5x4x8 (5,4,8)"
     assert m["online_best_speedup"] == pytest.approx(1.185) and m["online_best_accept_length"] == 2.75
+    assert (m["online_best_speedup_rounds_min"], m["online_best_speedup_rounds_max"]) == pytest.approx((1.18, 1.19))
     assert m["steps7_tokens_per_s_spread"] == pytest.approx(10 / 115) and m["steps1_tokens_per_s_spread"] == 0.0
+    # each round against plain's round of the same moment (rounds interleave the servers): the speedup's own spread
+    assert (m["steps7_speedup_rounds_min"], m["steps7_speedup_rounds_max"]) == pytest.approx((1.1, 1.2))
+    assert (m["online_speedup_rounds_min"], m["online_speedup_rounds_max"]) == pytest.approx((0.9, 0.92))
+    results["servers"]["plain"]["by_concurrency"] = _measured([100.0, 125.0])  # plain slower in round 0, faster in 1
+    m = experiment.summarize(plan, results, {}, {})
+    assert (m["steps7_speedup_rounds_min"], m["steps7_speedup_rounds_max"]) == pytest.approx((120 / 125, 1.1))
+    assert m["steps7_speedup"] == pytest.approx(115 / 112.5)  # the medians' ratio hides that one round lost
+    results["servers"]["plain"]["by_concurrency"] = _measured([100.0, 100.0])
     results["servers"]["steps7"]["by_concurrency"] = _measured([130.0, 130.0], [2.6, 2.6])
     assert experiment.summarize(plan, results, {}, {})["online_best_setting"] == "steps7 (7,1,8)"
 

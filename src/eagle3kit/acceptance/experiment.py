@@ -337,12 +337,15 @@ def _best_setting(results: dict, m: dict, serving) -> dict:
             continue
         setting = r.get("setting") or list(serving)
         if best is None or m[f"{key}_speedup"] > best[0]:
-            best = (m[f"{key}_speedup"], f"{name} ({','.join(map(str, setting))})", m.get(f"{key}_accept_length"))
+            best = (m[f"{key}_speedup"], f"{name} ({','.join(map(str, setting))})", m.get(f"{key}_accept_length"), key)
     if best is None:
         return {}
     out = {"online_best_speedup": best[0], "online_best_setting": best[1]}
     if best[2] is not None:
         out["online_best_accept_length"] = best[2]
+    for end in ("min", "max"):  # its rounds against plain's of the same moment: is it faster in every round?
+        if f"{best[3]}_speedup_rounds_{end}" in m:
+            out[f"online_best_speedup_rounds_{end}"] = m[f"{best[3]}_speedup_rounds_{end}"]
     return out
 
 
@@ -408,6 +411,9 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             sm = online.summarize(srv["plain"]["by_concurrency"], srv["main"]["by_concurrency"], conc)
             sfx = "" if conc == 1 else f"_c{conc}"
             m[f"online_speedup{sfx}"] = sm["speedup"]
+            paired = online.paired_speedups(srv["plain"]["by_concurrency"][conc], srv["main"]["by_concurrency"][conc])
+            if paired:  # every round's ratio to plain's round of the same moment: the speedup's spread
+                m[f"online_speedup{sfx}_rounds_min"], m[f"online_speedup{sfx}_rounds_max"] = min(paired), max(paired)
             m[f"plain_tokens_per_s{sfx}"] = sm["plain_tokens_per_s"]
             m[f"spec_tokens_per_s{sfx}"] = sm["spec_tokens_per_s"]
             if sm["accept_length"] is not None:
@@ -476,6 +482,9 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         m[f"{key}_tokens_per_s_spread"] = online.spread(r["by_concurrency"][1])
         if plain1:
             m[f"{key}_speedup"] = tps / plain1
+            paired = online.paired_speedups(srv["plain"]["by_concurrency"][1], r["by_concurrency"][1])
+            if paired:
+                m[f"{key}_speedup_rounds_min"], m[f"{key}_speedup_rounds_max"] = min(paired), max(paired)
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
                 m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
     m.update(control_offline(plan.controls, offline, s))

@@ -204,6 +204,15 @@ def spread(measured: dict) -> float:
     return (measured["output_tokens_per_s_max"] - measured["output_tokens_per_s_min"]) / med if med else 0.0
 
 
+def paired_speedups(plain: dict, spec: dict) -> list[float]:
+    """Round i of ``spec`` over round i of ``plain`` (one concurrency's measurements, as measure_servers gives them).
+    The rounds interleave the servers, so the two of a pair were timed at nearly the same moment: the range of these
+    ratios is the speedup's own spread (gpu-drafter-pipeline-11: 0.99 and 1.13 at (5,1,6), whose medians gave 1.06)."""
+    p = [r["output_tokens_per_s"] for r in plain.get("rounds", [])]
+    q = [r["output_tokens_per_s"] for r in spec.get("rounds", [])]
+    return [b / a for a, b in zip(p, q) if a]
+
+
 def _per_prompt(measured: dict) -> list[tuple[int, int]]:
     """(verifies, correct drafts) per prompt, summed over the rounds (the same prompts in every round)."""
     rows = [r["per_request"] for r in measured.get("rounds", []) if r.get("per_request")]
