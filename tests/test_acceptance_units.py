@@ -684,6 +684,7 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
     # each round against plain's round of the same moment (rounds interleave the servers): the speedup's own spread
     assert (m["steps7_speedup_rounds_min"], m["steps7_speedup_rounds_max"]) == pytest.approx((1.1, 1.2))
     assert (m["online_speedup_rounds_min"], m["online_speedup_rounds_max"]) == pytest.approx((0.9, 0.92))
+    assert m["steps3_speedup_rounds_min"] == m["online_speedup_rounds_min"]  # main is the sweep's point at 3 steps
     results["servers"]["plain"]["by_concurrency"] = _measured([100.0, 125.0])  # plain slower in round 0, faster in 1
     m = experiment.summarize(plan, results, {}, {})
     assert (m["steps7_speedup_rounds_min"], m["steps7_speedup_rounds_max"]) == pytest.approx((120 / 125, 1.1))
@@ -803,7 +804,8 @@ def test_outputs_compared_to_plain_by_identity_and_common_prefix():
 
 def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     """compare.plot: the online bar of a run with an interval carries it as an error bar, a run without one gets
-    none (no zero-length bar at 0); the offline walk is drawn beside tau. controls_plot: each experiment's interval."""
+    none (no zero-length bar at 0); the offline walk is drawn beside tau; the speedup curve carries each setting's
+    range over its rounds. controls_plot: each experiment's interval."""
     import matplotlib
     matplotlib.use("Agg")
 
@@ -816,6 +818,13 @@ def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     segs = [s for coll in bars for s in coll.get_segments() if len(s)]
     assert len(segs) == 1 and [round(y, 3) for y in (segs[0][0][1], segs[0][1][1])] == [2.0, 2.7], segs
     assert any(line.get_label() == "a offline walk" for line in fig.axes[0].get_lines())
+    # the speedup curve: each point's range over its rounds (paired with plain's), none where a run has no rounds
+    rounds = {"steps3_speedup": 0.84, "steps3_speedup_rounds_min": 0.73, "steps3_speedup_rounds_max": 0.94,
+              "steps5_speedup": 1.06, "steps5_speedup_rounds_min": 0.985, "steps5_speedup_rounds_max": 1.135}
+    fig = compare.plot([{"run": "a", **rounds}, {"run": "b", "steps3_speedup": 0.9, "steps5_speedup": 1.0}])
+    segs = sorted((round(s[0][0], 3), round(s[0][1], 3), round(s[1][1], 3)) for coll in fig.axes[1].collections
+                  for s in coll.get_segments() if len(s))
+    assert segs == [(3.0, 0.73, 0.94), (5.0, 0.985, 1.135)], segs
     m = {"online_accept_length": 2.3, "online_accept_length_ci95_low": 2.0, "online_accept_length_ci95_high": 2.7,
          "negative_control_accept_length": 2.1, "negative_control_accept_length_ci95_low": 1.9,
          "negative_control_accept_length_ci95_high": 2.4, "breakeven_accept_length": 2.7}

@@ -91,7 +91,10 @@ def plot(rows: list[dict], path=None):
         if off:
             a.plot(*zip(*off), "x:", alpha=0.6, label=f"{r['run']} offline tau", **color)
         if sp:
-            b.plot(*zip(*sp), "o-", label=r["run"])
+            nan = float("nan")  # each point's range over its rounds, each paired with plain's round of that moment
+            lo = [v - r.get(f"steps{n}_speedup_rounds_min", nan) for n, v in sp]
+            hi = [r.get(f"steps{n}_speedup_rounds_max", nan) - v for n, v in sp]
+            b.errorbar(*zip(*sp), yerr=[lo, hi], fmt="o-", capsize=3, label=r["run"])
             if r.get("breakeven_accept_length"):
                 b.annotate(f"break-even accept {r['breakeven_accept_length']:.2f} (3 steps)", (0.02, 0.92),
                            xycoords="axes fraction", fontsize=7)

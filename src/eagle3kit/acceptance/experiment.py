@@ -498,6 +498,9 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
     if f"steps{s}_accept_length" not in m and "online_accept_length" in m:
         m[f"steps{s}_accept_length"] = m["online_accept_length"]
         m[f"steps{s}_speedup"] = m.get("online_speedup", 0.0)
+        for end in ("min", "max"):
+            if f"online_speedup_rounds_{end}" in m:
+                m[f"steps{s}_speedup_rounds_{end}"] = m[f"online_speedup_rounds_{end}"]
     m.update(_best_setting(results, m, plan.serving))
     m.update(proof_metrics(plan, proofs))
     for name, match in results.get("outputs_match_plain", {}).items():
