@@ -14,6 +14,7 @@ choice of prompts (``gpu-drafter-pipeline-8``: walk on the held-out set 17 % abo
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -21,7 +22,8 @@ COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage
            "train_lm_head", "train_samples", "train_tokens", "train_acc_pos0", "baseline_acc_pos0", "offline_tau",
            "offline_walk_accept_length", "offline_walk_same_replies", "online_accept_length",
            "online_accept_length_ci95_low", "online_accept_length_ci95_high", "online_speedup",
-           "breakeven_accept_length", "online_best_setting", "online_best_speedup", "negative_control_accept_length",
+           "breakeven_accept_length", "online_best_setting", "online_best_speedup", "online_best_speedup_rounds_min",
+           "online_best_speedup_rounds_max", "negative_control_accept_length",
            "negative_control_accept_cost_ci95_low", "engine_control_accept_length", "fp8_accept_rel_diff"]
 
 
@@ -94,6 +96,8 @@ def plot(rows: list[dict], path=None):
             nan = float("nan")  # each point's range over its rounds, each paired with plain's round of that moment
             lo = [v - r.get(f"steps{n}_speedup_rounds_min", nan) for n, v in sp]
             hi = [r.get(f"steps{n}_speedup_rounds_max", nan) - v for n, v in sp]
+            # the medians' ratio may round a hair past equal rounds' (matplotlib refuses a negative error); nan stays
+            lo, hi = ([e if math.isnan(e) else max(e, 0.0) for e in x] for x in (lo, hi))
             b.errorbar(*zip(*sp), yerr=[lo, hi], fmt="o-", capsize=3, label=r["run"])
             if r.get("breakeven_accept_length"):
                 b.annotate(f"break-even accept {r['breakeven_accept_length']:.2f} (3 steps)", (0.02, 0.92),

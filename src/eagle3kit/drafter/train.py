@@ -306,10 +306,12 @@ def _probe_flex(cfg: TrainConfig, model, device, aux_width: int) -> str:
 def _trial_step(cfg: TrainConfig, model, device, aux_width: int, rows: int | None = None,
                 train: bool = True) -> None:
     """One TTT forward and backward of ``model`` at the run's shapes (gradients left for the caller to clear);
-    ``train=False``: the forward alone as an evaluation runs it (eval mode, no grad), ``rows`` packed rows."""
+    ``train=False``: the forward alone as an evaluation runs it (eval mode, no grad, ``eval_steps`` deep), ``rows``
+    packed rows."""
     from eagle3kit.drafter.ttt import draft_steps
 
     rows = rows or cfg.rows_per_batch
+    steps = cfg.ttt_steps if train else (cfg.eval_steps or cfg.ttt_steps)
     n = cfg.tokens_per_batch * rows
     was = model.training
     model.train(train)
@@ -317,7 +319,7 @@ def _trial_step(cfg: TrainConfig, model, device, aux_width: int, rows: int | Non
         with _autocast(device), torch.set_grad_enabled(train):
             out = draft_steps(model, torch.zeros(n, aux_width, device=device), torch.zeros(n, dtype=torch.long,
                               device=device), torch.zeros(n, dtype=torch.long, device=device),
-                              torch.arange(n, device=device) % cfg.tokens_per_batch, cfg.ttt_steps, rows,
+                              torch.arange(n, device=device) % cfg.tokens_per_batch, steps, rows,
                               cfg.tokens_per_batch)
             loss = sum(x.float().mean() for x in out)
         if train:
@@ -328,20 +330,23 @@ def _trial_step(cfg: TrainConfig, model, device, aux_width: int, rows: int | Non
 
 def _compile_layers(cfg: TrainConfig, model, device, aux_width: int) -> bool:
     """compile_layers: each decoder layer compiled in place (``nn.Module.compile``: parameter names, checkpoints and
-    the export are unchanged), tried on one training step at the run's shapes and on the forwards an evaluation runs
-    (eval mode, no grad, a batch of ``rows_per_batch`` rows and one of a single row), which compiles them as the
-    first step and the first evaluation would. A failure leaves the layers eager and says so (the same network,
-    slower) rather than losing the run at its first evaluation. Each TTT step of the layer holds a different number
-    of keys so far (its own graph), training and evaluation differ in grad mode and the last batch in rows: the
-    recompile limit is raised to hold them all."""
+    the export are unchanged), tried on one training step at the run's shapes and on every forward shape an
+    evaluation runs (eval mode, no grad, ``eval_steps`` deep, batches of 1 to ``rows_per_batch`` rows: the last batch
+    of a held-out plan may hold fewer), which compiles them as the first step and the first evaluations would. A
+    failure leaves the layers eager and says so (the same network, slower) rather than losing the run at its first
+    evaluation. Each TTT step of the layer holds a different number of keys so far (its own graph), training and
+    evaluation differ in grad mode and batches in rows: the recompile limit is raised to hold them all (two graphs a
+    layer call: speculators' layer breaks once on purpose)."""
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 8 * cfg.ttt_steps)
+    depth = max(cfg.ttt_steps, cfg.eval_steps or 0)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                2 * depth * (cfg.rows_per_batch + 2))
     for layer in model.layers:
         layer.compile(dynamic=False, backend=COMPILE_BACKEND)
     try:
         _trial_step(cfg, model, device, aux_width)
-        for rows in sorted({cfg.rows_per_batch, 1}):
+        for rows in range(cfg.rows_per_batch, 0, -1):
             _trial_step(cfg, model, device, aux_width, rows=rows, train=False)
         return True
     except Exception as e:  # noqa: BLE001 - reported; the eager layers train the same network
