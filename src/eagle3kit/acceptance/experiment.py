@@ -327,6 +327,13 @@ def _accept(results: dict, name: str, conc: int = 1):
     return statistics.fmean(acc) if acc else None
 
 
+def _speedup_rounds(key: str, plain: dict, spec: dict) -> dict:
+    """``<key>_rounds_min/max``: the range of each round's ratio to plain's round of the same moment (the speedup's
+    own spread, ``online.paired_speedups``); nothing without rounds."""
+    paired = online.paired_speedups(plain, spec)
+    return {f"{key}_rounds_min": min(paired), f"{key}_rounds_max": max(paired)} if paired else {}
+
+
 def _best_setting(results: dict, m: dict, serving) -> dict:
     """The serving setting (main, a chain of the sweep or a tree; not the controls) with the highest speedup at batch 1
     against the same run's plain server: what to serve with, named with its (steps, topk, draft tokens)."""
@@ -411,9 +418,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             sm = online.summarize(srv["plain"]["by_concurrency"], srv["main"]["by_concurrency"], conc)
             sfx = "" if conc == 1 else f"_c{conc}"
             m[f"online_speedup{sfx}"] = sm["speedup"]
-            paired = online.paired_speedups(srv["plain"]["by_concurrency"][conc], srv["main"]["by_concurrency"][conc])
-            if paired:  # every round's ratio to plain's round of the same moment: the speedup's spread
-                m[f"online_speedup{sfx}_rounds_min"], m[f"online_speedup{sfx}_rounds_max"] = min(paired), max(paired)
+            m.update(_speedup_rounds(f"online_speedup{sfx}", srv["plain"]["by_concurrency"][conc],
+                                     srv["main"]["by_concurrency"][conc]))
             m[f"plain_tokens_per_s{sfx}"] = sm["plain_tokens_per_s"]
             m[f"spec_tokens_per_s{sfx}"] = sm["spec_tokens_per_s"]
             if sm["accept_length"] is not None:
@@ -482,9 +488,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         m[f"{key}_tokens_per_s_spread"] = online.spread(r["by_concurrency"][1])
         if plain1:
             m[f"{key}_speedup"] = tps / plain1
-            paired = online.paired_speedups(srv["plain"]["by_concurrency"][1], r["by_concurrency"][1])
-            if paired:
-                m[f"{key}_speedup_rounds_min"], m[f"{key}_speedup_rounds_max"] = min(paired), max(paired)
+            m.update(_speedup_rounds(f"{key}_speedup", srv["plain"]["by_concurrency"][1], r["by_concurrency"][1]))
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
                 m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
     m.update(control_offline(plan.controls, offline, s))

@@ -72,7 +72,7 @@ def step_loss(logits: torch.Tensor, t: Teacher, valid: torch.Tensor, k: int, kin
     sum p log p are computed once for all steps (``Teacher``), aligned by slicing (no shifted copy), the bf16 logits
     go into the fp32 log-softmax without a separate cast, and sum_v p log q is an elementwise product and a sum: as a
     batched dot (``bmm`` of [m,1,V] by [m,V,1]) its backward, a k=1 batched GEMM, took 1.88 ms a TTT step on the H200,
-    about a third of the step's device time (``gpu-drafter-pipeline-11/trainbench``), where the product and its
+    37 % of the step's device time (``gpu-drafter-pipeline-11/trainbench``), where the product and its
     gradient are two memory-bound passes. The last k rows have no teacher row; they never count (``valid_rows``) and
     score 0."""
     if kind not in LOSSES:

@@ -120,6 +120,11 @@ class TrainConfig:
         need(not self.fit_schedule or self.max_minutes > 0, "fit_schedule needs max_minutes > 0 (the budget to fit)")
         return self
 
+    @property
+    def eval_depth(self) -> int:
+        """The chain depth an evaluation runs: ``eval_steps``, or ``ttt_steps`` when 0."""
+        return self.eval_steps or self.ttt_steps
+
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         known = {f.name for f in fields(cls)}
@@ -311,7 +316,7 @@ def _trial_step(cfg: TrainConfig, model, device, aux_width: int, rows: int | Non
     from eagle3kit.drafter.ttt import draft_steps
 
     rows = rows or cfg.rows_per_batch
-    steps = cfg.ttt_steps if train else (cfg.eval_steps or cfg.ttt_steps)
+    steps = cfg.ttt_steps if train else cfg.eval_depth
     n = cfg.tokens_per_batch * rows
     was = model.training
     model.train(train)
@@ -339,7 +344,7 @@ def _compile_layers(cfg: TrainConfig, model, device, aux_width: int) -> bool:
     layer call: speculators' layer breaks once on purpose)."""
     import torch._dynamo
 
-    depth = max(cfg.ttt_steps, cfg.eval_steps or 0)
+    depth = max(cfg.ttt_steps, cfg.eval_depth)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                 2 * depth * (cfg.rows_per_batch + 2))
     for layer in model.layers:
@@ -405,7 +410,7 @@ def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int |
     """Chained acceptance over a held-out source (every rank its share; counts summed over ranks); ``walk``: a
     [steps, 2] tensor that also sums ``serving_walk`` (this rank's rows)."""
     source = source if source is not None else run.heldout_src
-    steps = steps or run.cfg.eval_steps or run.cfg.ttt_steps
+    steps = steps or run.cfg.eval_depth
     if source is None:
         return ChainCounts(steps)
     from eagle3kit.drafter.ttt import TTTModule
@@ -552,7 +557,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
         _set_rng(saved["rng"])
         print(f"[train] resumed from {ckpt} at step {state['step']} of {state['total_steps']}", flush=True)
     total_steps = state["total_steps"]
-    eval_steps = cfg.eval_steps or cfg.ttt_steps
+    eval_steps = cfg.eval_depth
     bar = None
     if cfg.progress and dist.rank == 0:
         from eagle3kit.metrics import progress_bar
