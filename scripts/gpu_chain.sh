@@ -53,9 +53,16 @@
 # trainbench's compile A/B (E3K_TIMEOUT=140 E3K_BENCH_STEPS=20 E3K_BENCH_ROUNDS=1: 106 s, 1.22x in one round).
 # Next: the same chain with rounds 3, and trainbench with 2 rounds for the elementwise loss (a891ef3) and the compiled
 # layers (E3K_BENCH_ARGS="--passes compute --ab compile_layers=true"), before a training turns compile_layers on.
-# The tree that travels with each call grows with the records (34 MiB of files, 37 MiB allocated, on 2026-12-02): the
-# SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 25 MiB or
-# less, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged).
+# The compiled training (gpu-drafter-pipeline-12, 2026-12-02): the default chain with E3K_TRAIN_SETS="--set
+# 04_train.compile_layers=true" (now the params' own setting), E3K_MAX_SAMPLES=11000, final_normed=false, no controls,
+# gpu_fit_train.sh ... 420 170 9: data 516 s (8,049 samples), training fitted to 8.5 min (605 s with setup 89 s: 5,619
+# steps at 94.3 K tokens/s, tau(3) 3.19), serve complete in 404 s with 3 rounds, the budget's last 8 s left over.
+# Next: the same chain with batch 1 interleaved prompt by prompt (online.measure_interleaved, new after -12, whose rounds
+# swung 558-834 tokens/s for plain) for the speedup's interval over prompts (<setting>_speedup_ci95_low/high).
+# The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
+# SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
+# less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged). Each
+# part's call took ~5 s of the lease in -12.
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. The trainer's compile_layers passed its GPU test
 # (gpu-drafter-pipeline-8/tests: the eager layers' loss and gradients within 0.25 %); its speed A/B is still to run
 # (trainbench, E3K_BENCH_ARGS="--passes compute --ab compile_layers=true", E3K_BENCH_STEPS=20, ~2 min), then the

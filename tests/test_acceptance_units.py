@@ -524,33 +524,86 @@ def test_experiment_summary_reports_the_intervals(tmp_path):
 
 def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
     """Each server's concurrencies get one untimed pass first (an EAGLE server's first batch of a new size is slow:
-    records gpu-drafter-pipeline-3 and -6, 37-38 %), then round r times every server in turn, forward on even rounds
-    and backward on odd ones, so a drift during the run reaches each server alike (-7: batch-1 speed swung 2x within
-    one server's rounds). Warm speeds are not among the rounds; after each round the results so far are handed on."""
-    calls, seen = [], []
+    records gpu-drafter-pipeline-3 and -6, 37-38 %), then each round times batch 1 of every server prompt by prompt
+    (the first server rotating with the prompt and the round), then the other concurrencies one server at a time,
+    forward on even rounds and backward on odd ones. Warm speeds are not among the rounds; after each round the
+    results so far are handed on."""
+    calls, seen, flushed = [], [], []
 
     def fake_measure(url, prompts, conc, max_new_tokens=256):
         calls.append((url, conc, len(prompts), max_new_tokens))
         return {"output_tokens_per_s": float(len(calls))}
 
+    def fake_generate(session, url, ids, max_new_tokens, timeout=600):
+        calls.append((url, 1, ids, max_new_tokens))
+        return {"completion_tokens": 10, "verify_ct": None, "correct_drafts": None, "sglang_accept_length": None,
+                "seconds": float(len(calls)), "output_ids": [ids]}
+
     monkeypatch.setattr(online, "measure", fake_measure)
-    monkeypatch.setattr(online, "flush", lambda url: None)
+    monkeypatch.setattr(online, "generate", fake_generate)
+    monkeypatch.setattr(online, "flush", flushed.append)
     monkeypatch.setattr(online, "server_accept_length", lambda url: None)
-    servers = {"plain": ("P", {1: list(range(8)), 8: list(range(32))}), "main": ("M", {1: list(range(8))}),
-               "tree": ("T", {1: list(range(8))})}
+    servers = {"plain": ("P", {1: [0, 1], 8: list(range(32))}), "main": ("M", {1: [0, 1]}), "tree": ("T", {1: [0, 1]})}
     out = online.measure_servers(servers, 256, rounds=3, after_round=lambda done: seen.append(
         {n: len(m[1]["rounds"]) for n, m in done.items()}))
     w = online.WARM_TOKENS
     assert calls[:4] == [("P", 1, 1, w), ("P", 8, 8, w), ("M", 1, 1, w), ("T", 1, 1, w)]
     assert all(n == 256 for *_, n in calls[4:])  # no warm pass among the rounds
-    timed = [(u, c) for u, c, _, _ in calls[4:]]
-    assert timed == [("P", 1), ("P", 8), ("M", 1), ("T", 1),   # round 0 forward
-                     ("T", 1), ("M", 1), ("P", 1), ("P", 8),   # round 1 backward
-                     ("P", 1), ("P", 8), ("M", 1), ("T", 1)]   # round 2 forward
-    assert [r["output_tokens_per_s"] for r in out["main"][1]["rounds"]] == [7.0, 10.0, 15.0]  # calls 7, 10, 15
-    assert out["plain"][8]["output_tokens_per_s_median"] == 12.0 and out["plain"][8]["warm_seconds"] >= 0
+    timed = [(u, c) if c != 1 else (u, p) for u, c, p, _ in calls[4:]]
+    assert timed == [("P", 0), ("M", 0), ("T", 0), ("M", 1), ("T", 1), ("P", 1), ("P", 8),   # round 0: P M T
+                     ("M", 0), ("P", 0), ("T", 0), ("P", 1), ("T", 1), ("M", 1), ("P", 8),   # round 1: T M P
+                     ("T", 0), ("P", 0), ("M", 0), ("P", 1), ("M", 1), ("T", 1), ("P", 8)]   # round 2: P M T
+    assert flushed == ["P", "M", "T", "P", "T", "M", "P", "P", "P", "M", "T", "P"]  # every server before its round
+    # a batch-1 round's time: the sum of its requests' (calls 6 and 8 for main in round 0)
+    assert out["main"][1]["rounds"][0]["seconds"] == 6.0 + 8.0
+    assert out["main"][1]["rounds"][0]["per_request_time"] == [[10, 6.0], [10, 8.0]]
+    assert out["plain"][8]["output_tokens_per_s_median"] == 18.0 and out["plain"][8]["warm_seconds"] >= 0
     assert seen == [{"plain": 1, "main": 1, "tree": 1}, {"plain": 2, "main": 2, "tree": 2},
                     {"plain": 3, "main": 3, "tree": 3}]
+
+
+def test_interleaved_batch_1_cancels_a_drift_that_timing_by_server_turns_into_a_speedup(monkeypatch):
+    """The host's speed halves halfway through (gpu-drafter-pipeline-12: plain's rounds 558 to 834 tokens/s, one
+    server's 348 to 733). Two servers of equal speed: timed prompt by prompt, each round's ratio and the interval over
+    the prompts hold 1; timed one server after the other (the way until -12), the first server looks 2x faster."""
+    clock = {"n": 0}
+
+    def drifting_generate(session, url, ids, max_new_tokens, timeout=600):
+        clock["n"] += 1
+        slow = 2.0 if clock["n"] > 8 else 1.0  # the host halves its speed after 8 requests
+        return {"completion_tokens": 100, "verify_ct": None, "correct_drafts": None, "sglang_accept_length": None,
+                "seconds": 0.1 * slow * (1 + ids[0] / 10), "output_ids": [ids]}
+
+    monkeypatch.setattr(online, "generate", drifting_generate)
+    monkeypatch.setattr(online, "flush", lambda url: None)
+    monkeypatch.setattr(online, "server_accept_length", lambda url: None)
+    prompts = [[i] for i in range(8)]
+    out = online.measure_servers({"plain": ("P", {1: prompts}), "main": ("M", {1: prompts})}, 256, rounds=1)
+    assert online.paired_speedups(out["plain"][1], out["main"][1]) == pytest.approx([1.0], abs=0.2)
+    lo, hi = online.speedup_interval(out["plain"][1], out["main"][1])
+    assert lo <= 1.0 <= hi
+    clock["n"] = 0  # the same drift, the servers' prompts timed one server at a time: plain's, then main's
+    secs = {u: sum(online.generate(None, u, p, 256)["seconds"] for p in prompts) for u in ("P", "M")}
+    assert secs["P"] / secs["M"] == pytest.approx(0.5)
+
+
+def test_the_speedup_interval_over_prompts_tells_a_real_speedup_from_none():
+    """Per prompt (output tokens, seconds), summed over the rounds; the interval is of spec's tokens/s over plain's,
+    the same prompts resampled for both. A draft 1.2x faster on every prompt (prompts of very different speeds) is
+    told from 1; one that takes 30 % less time on some prompts and 30 % more on others is not."""
+    def rounds(per):  # per prompt (tokens, seconds), two rounds alike
+        return {"rounds": [{"per_request_time": [list(x) for x in per]} for _ in range(2)]}
+
+    speeds = [50, 400, 120, 900, 300, 700, 80, 600, 250, 1000, 150, 500]  # plain tokens/s of 12 prompts
+    plain = rounds([(200, 200 / v) for v in speeds])
+    fast = rounds([(200, 200 / (1.2 * v)) for v in speeds])
+    lo, hi = online.speedup_interval(plain, fast)
+    assert 1.0 < lo <= 1.2 <= hi < 1.4
+    plain2 = rounds([(200, 200 / v) for v in speeds for _ in (0, 1)])  # each prompt twice: 30 % faster, 30 % slower
+    mixed = rounds([(200, 200 / v * f) for v in speeds for f in (0.7, 1.3)])
+    lo, hi = online.speedup_interval(plain2, mixed)
+    assert lo < 1.0 < hi
+    assert online.speedup_interval(plain, {"rounds": [{}]}) is None  # no per-request times: no interval
 
 
 def test_accept_length_at_another_concurrency_on_the_prompts_batch_1_used(monkeypatch):
@@ -727,6 +780,8 @@ def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path,
         return {"output_tokens_per_s": tps, "_outputs": [[1, 2, 3]], **({"accept_length": acc} if acc else {})}
 
     monkeypatch.setattr(online, "measure", fake_measure)
+    monkeypatch.setattr(online, "measure_interleaved", lambda urls, prompts, n, shift=0: {
+        name: fake_measure(u, prompts[name], 1, n) for name, u in urls.items()})  # batch 1, servers in turn
     monkeypatch.setattr(online, "flush", lambda url: None)
     monkeypatch.setattr(online, "server_accept_length", lambda url: None)
     logged, proved = [], []

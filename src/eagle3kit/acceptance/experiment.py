@@ -327,11 +327,19 @@ def _accept(results: dict, name: str, conc: int = 1):
     return statistics.fmean(acc) if acc else None
 
 
-def _speedup_rounds(key: str, plain: dict, spec: dict) -> dict:
+SPEEDUP_SPREADS = ("rounds_min", "rounds_max", "ci95_low", "ci95_high")  # of a speedup <key>: <key>_<these>
+
+
+def _speedup_rounds(key: str, plain: dict, spec: dict, batch1: bool = True) -> dict:
     """``<key>_rounds_min/max``: the range of each round's ratio to plain's round of the same moment (the speedup's
-    own spread, ``online.paired_speedups``); nothing without rounds."""
+    own spread, ``online.paired_speedups``); at batch 1 also ``<key>_ci95_low/high``, the interval over the prompts
+    (``online.speedup_interval``); nothing without rounds."""
     paired = online.paired_speedups(plain, spec)
-    return {f"{key}_rounds_min": min(paired), f"{key}_rounds_max": max(paired)} if paired else {}
+    out = {f"{key}_rounds_min": min(paired), f"{key}_rounds_max": max(paired)} if paired else {}
+    ci = online.speedup_interval(plain, spec) if batch1 else None
+    if ci:
+        out[f"{key}_ci95_low"], out[f"{key}_ci95_high"] = ci
+    return out
 
 
 def _best_setting(results: dict, m: dict, serving) -> dict:
@@ -350,9 +358,9 @@ def _best_setting(results: dict, m: dict, serving) -> dict:
     out = {"online_best_speedup": best[0], "online_best_setting": best[1]}
     if best[2] is not None:
         out["online_best_accept_length"] = best[2]
-    for end in ("min", "max"):  # its rounds against plain's of the same moment: is it faster in every round?
-        if f"{best[3]}_speedup_rounds_{end}" in m:
-            out[f"online_best_speedup_rounds_{end}"] = m[f"{best[3]}_speedup_rounds_{end}"]
+    for end in SPEEDUP_SPREADS:  # its rounds against plain's of the same moment, its interval over the prompts
+        if f"{best[3]}_speedup_{end}" in m:
+            out[f"online_best_speedup_{end}"] = m[f"{best[3]}_speedup_{end}"]
     return out
 
 
@@ -419,7 +427,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             sfx = "" if conc == 1 else f"_c{conc}"
             m[f"online_speedup{sfx}"] = sm["speedup"]
             m.update(_speedup_rounds(f"online_speedup{sfx}", srv["plain"]["by_concurrency"][conc],
-                                     srv["main"]["by_concurrency"][conc]))
+                                     srv["main"]["by_concurrency"][conc], batch1=conc == 1))
             m[f"plain_tokens_per_s{sfx}"] = sm["plain_tokens_per_s"]
             m[f"spec_tokens_per_s{sfx}"] = sm["spec_tokens_per_s"]
             if sm["accept_length"] is not None:
@@ -502,9 +510,9 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
     if f"steps{s}_accept_length" not in m and "online_accept_length" in m:
         m[f"steps{s}_accept_length"] = m["online_accept_length"]
         m[f"steps{s}_speedup"] = m.get("online_speedup", 0.0)
-        for end in ("min", "max"):
-            if f"online_speedup_rounds_{end}" in m:
-                m[f"steps{s}_speedup_rounds_{end}"] = m[f"online_speedup_rounds_{end}"]
+        for end in SPEEDUP_SPREADS:
+            if f"online_speedup_{end}" in m:
+                m[f"steps{s}_speedup_{end}"] = m[f"online_speedup_{end}"]
     m.update(_best_setting(results, m, plan.serving))
     m.update(proof_metrics(plan, proofs))
     for name, match in results.get("outputs_match_plain", {}).items():

@@ -108,10 +108,38 @@ def measure(url: str, prompts, concurrency: int, max_new_tokens: int = 256) -> d
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(one, prompts))
-    wall = time.perf_counter() - t0
+    return _summary(results, concurrency, time.perf_counter() - t0)
+
+
+def measure_interleaved(urls: dict, prompts: dict, max_new_tokens: int = 256, shift: int = 0) -> dict:
+    """Batch 1 on several servers at once, prompt by prompt: prompt i goes to every server in turn (the first one
+    rotating with ``i + shift``) before prompt i + 1 goes to any. ``urls``, ``prompts``: name -> url, name -> prompts.
+    Returns name -> ``measure``'s figures, each server's time the sum of its requests' times.
+
+    Why: this host's batch-1 speed drifts by up to 2x within seconds (gpu-drafter-pipeline-12: plain's three rounds
+    558, 785 and 834 tokens/s, main's 348, 733 and 512, timed a server's 16 prompts at a time, ~5 s each), so two
+    servers timed 5-40 s apart compare two moments, not two servers. Interleaved, a server's prompt and plain's same
+    prompt run within a second of each other and a drift reaches both alike."""
+    import requests
+
+    names = list(urls)
+    sessions = {n: requests.Session() for n in names}
+    got: dict = {n: [] for n in names}
+    for i in range(max((len(p) for p in prompts.values()), default=0)):
+        k = (i + shift) % len(names)
+        for n in names[k:] + names[:k]:
+            if i < len(prompts[n]):
+                got[n].append(generate(sessions[n], urls[n], prompts[n][i], max_new_tokens))
+    return {n: _summary(r, 1, sum(x["seconds"] for x in r)) for n, r in got.items()}
+
+
+def _summary(results: list, concurrency: int, wall: float) -> dict:
+    """measure's figures of ``generate``'s results (in prompt order) and the wall time they took."""
     toks = sum(r["completion_tokens"] for r in results)
     out = {"requests": len(results), "concurrency": concurrency, "output_tokens": toks, "seconds": wall,
-           "output_tokens_per_s": toks / wall if wall else 0.0}
+           "output_tokens_per_s": toks / wall if wall else 0.0,
+           # per request, in prompt order: (output tokens, seconds), for the speedup's interval over prompts at batch 1
+           "per_request_time": [[r["completion_tokens"], r["seconds"]] for r in results]}
     ver = [r for r in results if r["verify_ct"]]
     if ver:
         v = sum(r["verify_ct"] for r in ver)
@@ -154,17 +182,17 @@ WARM_TOKENS = 32  # new tokens per request of a concurrency's untimed warm pass
 
 
 def measure_servers(servers: dict, max_new_tokens: int, rounds: int = 1, after_round=None) -> dict:
-    """Every server's concurrencies, ``rounds`` times, the servers' rounds interleaved. ``servers``: name -> (url,
+    """Every server's concurrencies, ``rounds`` times, the servers interleaved. ``servers``: name -> (url,
     prompts_by_conc). Returns name -> {conc: {"rounds", "warm_seconds", median, min, max of output tokens/s}};
     ``after_round`` gets the same, so far, after each round (an interrupted run keeps whole rounds).
 
     Each concurrency of each server is first run once untimed (its first ``concurrency`` prompts, ``WARM_TOKENS`` new
     tokens each): an EAGLE server's first batch of a new size ran 37-38 % slower than the rounds after it (records
-    gpu-drafter-pipeline-3 at concurrency 8, -6 at 8 and 32), which timed its warm-up, not its speed. Then round r
-    times every server in turn, each from a flushed cache, forward on even rounds and backward on odd ones: batch-1
-    speed at one moment differed from the next by up to 2x within one server's rounds (the plain server's decode log
-    in gpu-drafter-pipeline-7: 340-917 tokens/s), and timing a server's rounds back to back left its ratio to plain to
-    whichever stretch it fell in; interleaved, a drift during the run reaches every server alike."""
+    gpu-drafter-pipeline-3 at concurrency 8, -6 at 8 and 32), which timed its warm-up, not its speed. Then each round
+    starts from flushed caches: batch 1 of every server prompt by prompt (``measure_interleaved``: until
+    gpu-drafter-pipeline-12 each server's prompts were timed in one stretch, and batch-1 speed swung up to 2x between
+    stretches: 0.61-0.93 for one setting's three rounds against plain), then the other concurrencies one server at a
+    time, forward on even rounds and backward on odd ones, so a drift during the run reaches every server alike."""
     warm, rows = {}, {}
     for name, (url, by_conc) in servers.items():
         for conc, prompts in by_conc.items():
@@ -174,9 +202,21 @@ def measure_servers(servers: dict, max_new_tokens: int, rounds: int = 1, after_r
             rows[name, conc] = []
     names, done = list(servers), {}
     for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
+        order = names if r % 2 == 0 else names[::-1]
+        one = [n for n in order if 1 in servers[n][1]]
+        for name in one:
+            flush(servers[name][0])
+        if one:
+            got = measure_interleaved({n: servers[n][0] for n in one}, {n: servers[n][1][1] for n in one},
+                                      max_new_tokens, shift=r)
+            for name in one:
+                got[name]["server_accept_length"] = server_accept_length(servers[name][0])
+                rows[name, 1].append(got[name])
+        for name in order:
             url, by_conc = servers[name]
             for conc, prompts in by_conc.items():
+                if conc == 1:
+                    continue
                 flush(url)
                 m = measure(url, prompts, conc, max_new_tokens)
                 m["server_accept_length"] = server_accept_length(url)
@@ -207,10 +247,36 @@ def spread(measured: dict) -> float:
 def paired_speedups(plain: dict, spec: dict) -> list[float]:
     """Round i of ``spec`` over round i of ``plain`` (one concurrency's measurements, as measure_servers gives them).
     The rounds interleave the servers, so the two of a pair were timed at nearly the same moment: the range of these
-    ratios is the speedup's own spread (gpu-drafter-pipeline-11: 0.99 and 1.13 at (5,1,6), whose medians gave 1.06)."""
+    ratios is the speedup's own spread (gpu-drafter-pipeline-11: 0.99 and 1.13 at (5,1,6), whose medians gave 1.06;
+    batch 1 is interleaved prompt by prompt since -12)."""
     p = [r["output_tokens_per_s"] for r in plain.get("rounds", [])]
     q = [r["output_tokens_per_s"] for r in spec.get("rounds", [])]
     return [b / a for a, b in zip(p, q) if a]
+
+
+def speedup_interval(plain: dict, spec: dict, level: float = 0.95, resamples: int = 2000, seed: int = 0):
+    """(low, high): a paired bootstrap interval of the batch-1 speedup over the prompts (prompts drawn with
+    replacement, the same for both servers; each prompt's output tokens and seconds summed over the rounds; speedup =
+    spec's tokens / seconds over plain's): how far the prompts pin the speedup down. Meaningful at batch 1, where a
+    request's seconds are the server's alone and, interleaved (``measure_interleaved``), plain's and the draft's time
+    of one prompt were taken within a second of each other. None without per-request times."""
+    a, b = _per_prompt_time(plain), _per_prompt_time(spec)
+    n = min(len(a), len(b))
+    if not n:
+        return None
+
+    def ratio(idx):
+        ta, sa = sum(a[i][0] for i in idx), sum(a[i][1] for i in idx)
+        tb, sb = sum(b[i][0] for i in idx), sum(b[i][1] for i in idx)
+        return (tb / sb) / (ta / sa) if ta and sa and sb else None
+    return _bootstrap(ratio, n, level, resamples, seed)
+
+
+def _per_prompt_time(measured: dict) -> list[tuple[float, float]]:
+    """(output tokens, seconds) per prompt, summed over the rounds (the same prompts in every round)."""
+    rows = [r["per_request_time"] for r in measured.get("rounds", []) if r.get("per_request_time")]
+    n = min(map(len, rows), default=0)
+    return [(sum(r[i][0] for r in rows), sum(r[i][1] for r in rows)) for i in range(n)]
 
 
 def _per_prompt(measured: dict) -> list[tuple[int, int]]:
