@@ -745,6 +745,13 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
     results["servers"]["plain"]["by_concurrency"] = _measured([100.0, 100.0])
     results["servers"]["steps7"]["by_concurrency"] = _measured([130.0, 130.0], [2.6, 2.6])
     assert experiment.summarize(plan, results, {}, {})["online_best_setting"] == "steps7 (7,1,8)"
+    # with per-request times (batch 1 timed prompt by prompt), a setting's interval over the prompts too
+    for name, tps in (("plain", 100.0), ("steps7", 130.0)):
+        for r in results["servers"][name]["by_concurrency"][1]["rounds"]:
+            r["per_request_time"] = [[100, 100 / (tps * f)] for f in (0.8, 1.0, 1.25, 0.9)]  # prompts of other speeds
+    m = experiment.summarize(plan, results, {}, {})
+    assert m["steps7_speedup_ci95_low"] == pytest.approx(1.3) == m["online_best_speedup_ci95_high"]  # 1.3x on each
+    assert "online_speedup_ci95_low" not in m and "steps1_speedup_ci95_low" not in m  # no per-request times: none
 
 
 def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path, monkeypatch):

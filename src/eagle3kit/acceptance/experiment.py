@@ -1,8 +1,8 @@
 """The online experiment of notebook 05: every drafter and setting served by SGLang on one GPU, measured against
 the plain target with the same prompts in the same run, plus the load proof and the doctor's check in SGLang.
 
-Servers (all started at once, then timed one at a time in interleaved rounds, ``online.measure_servers``; see
-``online.shared_gpu_args``):
+Servers (all started at once, then timed in interleaved rounds, batch 1 prompt by prompt across them,
+``online.measure_servers``; see ``online.shared_gpu_args``):
   plain                     the target alone (SGLang's defaults otherwise)
   main                      the trained drafter at (steps, topk, draft tokens) = serving (default 3, 1, 4)
   steps<n>                  the same drafter, chain of n steps (n, 1, n + 1), the sweep
