@@ -524,11 +524,11 @@ def test_experiment_summary_reports_the_intervals(tmp_path):
 
 def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
     """Each server's concurrencies get one untimed pass first (an EAGLE server's first batch of a new size is slow:
-    records gpu-drafter-pipeline-3 and -6, 37-38 %), then each round times batch 1 of every server prompt by prompt
-    (the first server rotating with the prompt and the round), then the other concurrencies one server at a time,
-    forward on even rounds and backward on odd ones. Warm speeds are not among the rounds; after each round the
-    results so far are handed on."""
-    calls, seen, flushed = [], [], []
+    records gpu-drafter-pipeline-3 and -6, 37-38 %), then each round flushes every server, times batch 1 of all of
+    them prompt by prompt (the first server rotating with the prompt), reads each server's own accept length (which
+    the next flush resets), then the other concurrencies one server at a time; forward on even rounds, backward on odd
+    ones. Warm speeds are not among the rounds; after each round the results so far are handed on."""
+    calls, seen = [], []
 
     def fake_measure(url, prompts, conc, max_new_tokens=256):
         calls.append((url, conc, len(prompts), max_new_tokens))
@@ -541,31 +541,38 @@ def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
 
     monkeypatch.setattr(online, "measure", fake_measure)
     monkeypatch.setattr(online, "generate", fake_generate)
-    monkeypatch.setattr(online, "flush", flushed.append)
-    monkeypatch.setattr(online, "server_accept_length", lambda url: None)
+    monkeypatch.setattr(online, "flush", lambda url: calls.append(("flush", url)))
+    monkeypatch.setattr(online, "server_accept_length", lambda url: calls.append(("read", url)) or 2.5)
     servers = {"plain": ("P", {1: [0, 1], 8: list(range(32))}), "main": ("M", {1: [0, 1]}), "tree": ("T", {1: [0, 1]})}
     out = online.measure_servers(servers, 256, rounds=3, after_round=lambda done: seen.append(
         {n: len(m[1]["rounds"]) for n, m in done.items()}))
     w = online.WARM_TOKENS
     assert calls[:4] == [("P", 1, 1, w), ("P", 8, 8, w), ("M", 1, 1, w), ("T", 1, 1, w)]
-    assert all(n == 256 for *_, n in calls[4:])  # no warm pass among the rounds
-    timed = [(u, c) if c != 1 else (u, p) for u, c, p, _ in calls[4:]]
-    assert timed == [("P", 0), ("M", 0), ("T", 0), ("M", 1), ("T", 1), ("P", 1), ("P", 8),   # round 0: P M T
-                     ("M", 0), ("P", 0), ("T", 0), ("P", 1), ("T", 1), ("M", 1), ("P", 8),   # round 1: T M P
-                     ("T", 0), ("P", 0), ("M", 0), ("P", 1), ("M", 1), ("T", 1), ("P", 8)]   # round 2: P M T
-    assert flushed == ["P", "M", "T", "P", "T", "M", "P", "P", "P", "M", "T", "P"]  # every server before its round
-    # a batch-1 round's time: the sum of its requests' (calls 6 and 8 for main in round 0)
-    assert out["main"][1]["rounds"][0]["seconds"] == 6.0 + 8.0
-    assert out["main"][1]["rounds"][0]["per_request_time"] == [[10, 6.0], [10, 8.0]]
-    assert out["plain"][8]["output_tokens_per_s_median"] == 18.0 and out["plain"][8]["warm_seconds"] >= 0
+
+    def show(c):
+        if c[0] in ("flush", "read"):
+            return f"{c[0]} {c[1]}"
+        assert c[3] == 256  # no warm pass among the rounds
+        return f"{c[0]}{c[2]}" if c[1] == 1 else f"{c[0]}x{c[1]}"
+    forward = ["flush P", "flush M", "flush T", "P0", "M0", "T0", "M1", "T1", "P1", "read P", "read M", "read T",
+               "flush P", "Px8", "read P"]
+    backward = ["flush T", "flush M", "flush P", "T0", "M0", "P0", "M1", "P1", "T1", "read T", "read M", "read P",
+                "flush P", "Px8", "read P"]
+    assert [show(c) for c in calls[4:]] == forward + backward + forward
+    # a batch-1 round's time: the sum of its requests' (calls 9 and 11 for main in round 0)
+    assert out["main"][1]["rounds"][0]["seconds"] == 9.0 + 11.0
+    assert out["main"][1]["rounds"][0]["per_request_time"] == [[10, 9.0], [10, 11.0]]
+    assert all(r["server_accept_length"] == 2.5 for m in out.values() for c in m.values() for r in c["rounds"])
+    assert out["plain"][8]["output_tokens_per_s_median"] == 33.0 and out["plain"][8]["warm_seconds"] >= 0
     assert seen == [{"plain": 1, "main": 1, "tree": 1}, {"plain": 2, "main": 2, "tree": 2},
                     {"plain": 3, "main": 3, "tree": 3}]
 
 
-def test_interleaved_batch_1_cancels_a_drift_that_timing_by_server_turns_into_a_speedup(monkeypatch):
+def test_interleaved_batch_1_cancels_a_drift_of_the_host(monkeypatch):
     """The host's speed halves halfway through (gpu-drafter-pipeline-12: plain's rounds 558 to 834 tokens/s, one
-    server's 348 to 733). Two servers of equal speed: timed prompt by prompt, each round's ratio and the interval over
-    the prompts hold 1; timed one server after the other (the way until -12), the first server looks 2x faster."""
+    server's 348 to 733). Two servers of equal speed, timed prompt by prompt: each round's ratio is 1 and so is the
+    interval over the prompts (timed one server after the other, as until -12, the first would look 2x faster: the
+    order test above pins the interleaving)."""
     clock = {"n": 0}
 
     def drifting_generate(session, url, ids, max_new_tokens, timeout=600):
@@ -579,12 +586,9 @@ def test_interleaved_batch_1_cancels_a_drift_that_timing_by_server_turns_into_a_
     monkeypatch.setattr(online, "server_accept_length", lambda url: None)
     prompts = [[i] for i in range(8)]
     out = online.measure_servers({"plain": ("P", {1: prompts}), "main": ("M", {1: prompts})}, 256, rounds=1)
-    assert online.paired_speedups(out["plain"][1], out["main"][1]) == pytest.approx([1.0], abs=0.2)
-    lo, hi = online.speedup_interval(out["plain"][1], out["main"][1])
-    assert lo <= 1.0 <= hi
-    clock["n"] = 0  # the same drift, the servers' prompts timed one server at a time: plain's, then main's
-    secs = {u: sum(online.generate(None, u, p, 256)["seconds"] for p in prompts) for u in ("P", "M")}
-    assert secs["P"] / secs["M"] == pytest.approx(0.5)
+    assert online.paired_speedups(out["plain"][1], out["main"][1]) == pytest.approx([1.0])
+    assert online.speedup_interval(out["plain"][1], out["main"][1]) == pytest.approx((1.0, 1.0))
+    assert online.pooled_speedup(out["plain"][1], out["main"][1]) == pytest.approx(1.0)
 
 
 def test_the_speedup_interval_over_prompts_tells_a_real_speedup_from_none():
@@ -710,6 +714,7 @@ def test_a_variant_of_speculative_flags_only_is_held_against_plain_itself(tmp_pa
     assert m["verifydecode_speedup"] == pytest.approx(1.8) and m["verifydecode_plain_tokens_per_s"] == 100.0
     assert m["verifydecode_breakeven_accept_length"] == pytest.approx(2.4 / 1.8)
     assert m["mixed_speedup"] == pytest.approx(2.0)  # against its own plain (50), not plain's 100
+    assert m["mixed_speedup_rounds_min"] == pytest.approx(2.0)  # its round against its plain's round
     del srv["plain"]  # plain failed to start: a speculative-only variant has nothing to be held against
     m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}}, {}, {})
     assert "verifydecode_speedup" not in m and m["mixed_speedup"] == pytest.approx(2.0)
@@ -751,7 +756,12 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
             r["per_request_time"] = [[100, 100 / (tps * f)] for f in (0.8, 1.0, 1.25, 0.9)]  # prompts of other speeds
     m = experiment.summarize(plan, results, {}, {})
     assert m["steps7_speedup_ci95_low"] == pytest.approx(1.3) == m["online_best_speedup_ci95_high"]  # 1.3x on each
+    assert m["steps7_speedup_pooled"] == pytest.approx(1.3) == m["online_best_speedup_pooled"]
     assert "online_speedup_ci95_low" not in m and "steps1_speedup_ci95_low" not in m  # no per-request times: none
+    for r in results["servers"]["main"]["by_concurrency"][1]["rounds"]:  # main (the sweep's 3 steps) 0.9x on each
+        r["per_request_time"] = [[90, 100 / (100.0 * f)] for f in (0.8, 1.0, 1.25, 0.9)]
+    m = experiment.summarize(plan, results, {}, {})
+    assert m["online_speedup_ci95_low"] == pytest.approx(0.9) == m["steps3_speedup_ci95_high"]
 
 
 def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path, monkeypatch):
@@ -787,7 +797,7 @@ def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path,
         return {"output_tokens_per_s": tps, "_outputs": [[1, 2, 3]], **({"accept_length": acc} if acc else {})}
 
     monkeypatch.setattr(online, "measure", fake_measure)
-    monkeypatch.setattr(online, "measure_interleaved", lambda urls, prompts, n, shift=0: {
+    monkeypatch.setattr(online, "measure_interleaved", lambda urls, prompts, n: {
         name: fake_measure(u, prompts[name], 1, n) for name, u in urls.items()})  # batch 1, servers in turn
     monkeypatch.setattr(online, "flush", lambda url: None)
     monkeypatch.setattr(online, "server_accept_length", lambda url: None)

@@ -23,7 +23,8 @@ COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage
            "offline_walk_accept_length", "offline_walk_same_replies", "online_accept_length",
            "online_accept_length_ci95_low", "online_accept_length_ci95_high", "online_speedup",
            "breakeven_accept_length", "online_best_setting", "online_best_speedup", "online_best_speedup_rounds_min",
-           "online_best_speedup_rounds_max", "online_best_speedup_ci95_low", "online_best_speedup_ci95_high",
+           "online_best_speedup_rounds_max", "online_best_speedup_pooled",
+           "online_best_speedup_ci95_low", "online_best_speedup_ci95_high",
            "negative_control_accept_length",
            "negative_control_accept_cost_ci95_low", "engine_control_accept_length", "fp8_accept_rel_diff"]
 

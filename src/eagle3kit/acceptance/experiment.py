@@ -327,16 +327,20 @@ def _accept(results: dict, name: str, conc: int = 1):
     return statistics.fmean(acc) if acc else None
 
 
-SPEEDUP_SPREADS = ("rounds_min", "rounds_max", "ci95_low", "ci95_high")  # of a speedup <key>: <key>_<these>
+SPEEDUP_SPREADS = ("rounds_min", "rounds_max", "pooled", "ci95_low", "ci95_high")  # of a speedup <key>: <key>_<these>
 
 
-def _speedup_rounds(key: str, plain: dict, spec: dict, batch1: bool = True) -> dict:
+def _speedup_spreads(key: str, plain: dict, spec: dict, *, batch1: bool) -> dict:
     """``<key>_rounds_min/max``: the range of each round's ratio to plain's round of the same moment (the speedup's
-    own spread, ``online.paired_speedups``); at batch 1 also ``<key>_ci95_low/high``, the interval over the prompts
-    (``online.speedup_interval``); nothing without rounds."""
+    own spread, ``online.paired_speedups``); at batch 1 also ``<key>_pooled`` (every prompt and round pooled) and
+    ``<key>_ci95_low/high``, its interval over the prompts (``online.speedup_interval``; ``<key>`` itself is the
+    medians' ratio, which may fall outside it); nothing without rounds."""
     paired = online.paired_speedups(plain, spec)
     out = {f"{key}_rounds_min": min(paired), f"{key}_rounds_max": max(paired)} if paired else {}
+    pooled = online.pooled_speedup(plain, spec) if batch1 else None
     ci = online.speedup_interval(plain, spec) if batch1 else None
+    if pooled is not None:
+        out[f"{key}_pooled"] = pooled
     if ci:
         out[f"{key}_ci95_low"], out[f"{key}_ci95_high"] = ci
     return out
@@ -426,8 +430,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             sm = online.summarize(srv["plain"]["by_concurrency"], srv["main"]["by_concurrency"], conc)
             sfx = "" if conc == 1 else f"_c{conc}"
             m[f"online_speedup{sfx}"] = sm["speedup"]
-            m.update(_speedup_rounds(f"online_speedup{sfx}", srv["plain"]["by_concurrency"][conc],
-                                     srv["main"]["by_concurrency"][conc], batch1=conc == 1))
+            m.update(_speedup_spreads(f"online_speedup{sfx}", srv["plain"]["by_concurrency"][conc],
+                                      srv["main"]["by_concurrency"][conc], batch1=conc == 1))
             m[f"plain_tokens_per_s{sfx}"] = sm["plain_tokens_per_s"]
             m[f"spec_tokens_per_s{sfx}"] = sm["spec_tokens_per_s"]
             if sm["accept_length"] is not None:
@@ -475,6 +479,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             sm = online.summarize(p, q, 1)
             m[f"{b}_plain_tokens_per_s"], m[f"{b}_spec_tokens_per_s"] = sm["plain_tokens_per_s"], sm["spec_tokens_per_s"]
             m[f"{b}_speedup"] = sm["speedup"]
+            m.update(_speedup_spreads(f"{b}_speedup", p[1], q[1], batch1=True))
             if sm["accept_length"] is not None:
                 m[f"{b}_accept_length"] = sm["accept_length"]
                 m[f"{b}_breakeven_accept_length"] = sm.get("breakeven_accept_length") or 0.0
@@ -496,7 +501,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         m[f"{key}_tokens_per_s_spread"] = online.spread(r["by_concurrency"][1])
         if plain1:
             m[f"{key}_speedup"] = tps / plain1
-            m.update(_speedup_rounds(f"{key}_speedup", srv["plain"]["by_concurrency"][1], r["by_concurrency"][1]))
+            m.update(_speedup_spreads(f"{key}_speedup", srv["plain"]["by_concurrency"][1], r["by_concurrency"][1],
+                                      batch1=True))
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
                 m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
     m.update(control_offline(plan.controls, offline, s))

@@ -9,7 +9,8 @@ it in at every ``--decode-log-interval`` decode batches (40 by default), so it l
 verifies. The speculative servers keep that default, as plain does: ``--decode-log-interval 1`` (exact server-wide
 figure) formats and writes a log line on every verify, work plain was not charged (a variant measures it).
 
-Speed: output tokens per second of wall time, the same prompts, greedy, against the same target served without
+Speed: output tokens per second (of wall time at 8 and 32 requests; at batch 1 of the server's own requests' time,
+timed prompt by prompt across the servers), the same prompts, greedy, against the same target served without
 speculation in the same run. At batch 1 the break-even accept length is the cost of one speculative iteration in
 plain decode steps: ``accept_length / speedup`` (speculation pays above it).
 
@@ -111,35 +112,45 @@ def measure(url: str, prompts, concurrency: int, max_new_tokens: int = 256) -> d
     return _summary(results, concurrency, time.perf_counter() - t0)
 
 
-def measure_interleaved(urls: dict, prompts: dict, max_new_tokens: int = 256, shift: int = 0) -> dict:
-    """Batch 1 on several servers at once, prompt by prompt: prompt i goes to every server in turn (the first one
-    rotating with ``i + shift``) before prompt i + 1 goes to any. ``urls``, ``prompts``: name -> url, name -> prompts.
-    Returns name -> ``measure``'s figures, each server's time the sum of its requests' times.
+def measure_interleaved(urls: dict, prompts: dict, max_new_tokens: int = 256) -> dict:
+    """Batch 1 on several servers in one pass, prompt by prompt: prompt i goes to every server in turn (the first one
+    rotating with i, from the order of ``urls``) before prompt i + 1 goes to any. ``urls``, ``prompts``: name -> url,
+    name -> prompts. Returns name -> ``measure``'s figures, each server's time the sum of its requests' times.
 
     Why: this host's batch-1 speed drifts by up to 2x within seconds (gpu-drafter-pipeline-12: plain's three rounds
     558, 785 and 834 tokens/s, main's 348, 733 and 512, timed a server's 16 prompts at a time, ~5 s each), so two
     servers timed 5-40 s apart compare two moments, not two servers. Interleaved, a server's prompt and plain's same
-    prompt run within a second of each other and a drift reaches both alike."""
+    prompt run within one pass of the servers over that prompt (~3 s with 8 servers at ~0.4 s a request) and a drift
+    reaches both alike.
+
+    Each request now finds its server idle through the other servers' requests (``--sleep-on-idle``): a fixed wake-up
+    cost per request would pull every ratio towards 1; the next GPU record's per-request seconds against the earlier
+    back-to-back rounds' will tell."""
     import requests
 
     names = list(urls)
     sessions = {n: requests.Session() for n in names}
     got: dict = {n: [] for n in names}
-    for i in range(max((len(p) for p in prompts.values()), default=0)):
-        k = (i + shift) % len(names)
-        for n in names[k:] + names[:k]:
-            if i < len(prompts[n]):
-                got[n].append(generate(sessions[n], urls[n], prompts[n][i], max_new_tokens))
+    try:
+        for i in range(max((len(p) for p in prompts.values()), default=0)):
+            k = i % len(names)
+            for n in names[k:] + names[:k]:
+                if i < len(prompts[n]):
+                    got[n].append(generate(sessions[n], urls[n], prompts[n][i], max_new_tokens))
+    finally:
+        for sess in sessions.values():
+            sess.close()
     return {n: _summary(r, 1, sum(x["seconds"] for x in r)) for n, r in got.items()}
 
 
 def _summary(results: list, concurrency: int, wall: float) -> dict:
-    """measure's figures of ``generate``'s results (in prompt order) and the wall time they took."""
+    """measure's figures of ``generate``'s results (in prompt order) and the seconds they took (the wall time, or at
+    batch 1 interleaved the sum of the requests' times)."""
     toks = sum(r["completion_tokens"] for r in results)
     out = {"requests": len(results), "concurrency": concurrency, "output_tokens": toks, "seconds": wall,
-           "output_tokens_per_s": toks / wall if wall else 0.0,
-           # per request, in prompt order: (output tokens, seconds), for the speedup's interval over prompts at batch 1
-           "per_request_time": [[r["completion_tokens"], r["seconds"]] for r in results]}
+           "output_tokens_per_s": toks / wall if wall else 0.0}
+    if concurrency == 1:  # per request, in prompt order: (output tokens, seconds), for the speedup's interval
+        out["per_request_time"] = [[r["completion_tokens"], r["seconds"]] for r in results]
     ver = [r for r in results if r["verify_ct"]]
     if ver:
         v = sum(r["verify_ct"] for r in ver)
@@ -208,7 +219,7 @@ def measure_servers(servers: dict, max_new_tokens: int, rounds: int = 1, after_r
             flush(servers[name][0])
         if one:
             got = measure_interleaved({n: servers[n][0] for n in one}, {n: servers[n][1][1] for n in one},
-                                      max_new_tokens, shift=r)
+                                      max_new_tokens)
             for name in one:
                 got[name]["server_accept_length"] = server_accept_length(servers[name][0])
                 rows[name, 1].append(got[name])
@@ -259,8 +270,9 @@ def speedup_interval(plain: dict, spec: dict, level: float = 0.95, resamples: in
     replacement, the same for both servers; each prompt's output tokens and seconds summed over the rounds; speedup =
     spec's tokens / seconds over plain's): how far the prompts pin the speedup down. Meaningful at batch 1, where a
     request's seconds are the server's alone and, interleaved (``measure_interleaved``), plain's and the draft's time
-    of one prompt were taken within a second of each other. None without per-request times."""
-    a, b = _per_prompt_time(plain), _per_prompt_time(spec)
+    of one prompt were taken within one pass of the servers. It is the interval of the pooled speedup
+    (``pooled_speedup``), not of the medians' ratio. None without per-request times."""
+    a, b = _per_prompt(plain, "per_request_time"), _per_prompt(spec, "per_request_time")
     n = min(len(a), len(b))
     if not n:
         return None
@@ -272,16 +284,20 @@ def speedup_interval(plain: dict, spec: dict, level: float = 0.95, resamples: in
     return _bootstrap(ratio, n, level, resamples, seed)
 
 
-def _per_prompt_time(measured: dict) -> list[tuple[float, float]]:
-    """(output tokens, seconds) per prompt, summed over the rounds (the same prompts in every round)."""
-    rows = [r["per_request_time"] for r in measured.get("rounds", []) if r.get("per_request_time")]
-    n = min(map(len, rows), default=0)
-    return [(sum(r[i][0] for r in rows), sum(r[i][1] for r in rows)) for i in range(n)]
+def pooled_speedup(plain: dict, spec: dict) -> float | None:
+    """The batch-1 speedup over every prompt and round pooled (spec's tokens / seconds over plain's, on the prompts
+    both have): the point ``speedup_interval`` is the interval of. None without per-request times."""
+    a, b = _per_prompt(plain, "per_request_time"), _per_prompt(spec, "per_request_time")
+    n = min(len(a), len(b))
+    ta, sa = sum(x[0] for x in a[:n]), sum(x[1] for x in a[:n])
+    tb, sb = sum(x[0] for x in b[:n]), sum(x[1] for x in b[:n])
+    return (tb / sb) / (ta / sa) if n and ta and sa and sb else None
 
 
-def _per_prompt(measured: dict) -> list[tuple[int, int]]:
-    """(verifies, correct drafts) per prompt, summed over the rounds (the same prompts in every round)."""
-    rows = [r["per_request"] for r in measured.get("rounds", []) if r.get("per_request")]
+def _per_prompt(measured: dict, key: str = "per_request") -> list[tuple]:
+    """Per prompt, a round's ``key`` pair summed over the rounds (the same prompts in every round): (verifies, correct
+    drafts) for "per_request", (output tokens, seconds) for "per_request_time"."""
+    rows = [r[key] for r in measured.get("rounds", []) if r.get(key)]
     n = min(map(len, rows), default=0)
     return [(sum(r[i][0] for r in rows), sum(r[i][1] for r in rows)) for i in range(n)]
 
