@@ -59,6 +59,9 @@
 # steps at 94.3 K tokens/s, tau(3) 3.19), serve complete in 404 s with 3 rounds, the budget's last 8 s left over.
 # Next: the same chain with batch 1 interleaved prompt by prompt (online.measure_interleaved, new after -12, whose rounds
 # swung 558-834 tokens/s for plain) for the speedup's interval over prompts (<setting>_speedup_ci95_low/high).
+# The params now also serve main with --speculative-adaptive at every concurrency (variant "adaptive", in place of the
+# steps-1 server): the default serve limit is 450 s (-12's serve took 404 of 420); fit the training with
+# gpu_fit_train.sh ... 450 170 9.
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged). Each
@@ -98,7 +101,7 @@ kill_servers_of() {  # only this phase's SGLang processes: another chain (a seco
     tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$1" && kill -9 "$p" 2>/dev/null
   done
 }
-CHAIN=${E3K_CHAIN:-"data:560 train:600 serve:420"}
+CHAIN=${E3K_CHAIN:-"data:560 train:600 serve:450"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do
   group=${item%%:*} limit=${item#*:}

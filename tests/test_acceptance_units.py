@@ -720,6 +720,49 @@ def test_a_variant_of_speculative_flags_only_is_held_against_plain_itself(tmp_pa
     assert "verifydecode_speedup" not in m and m["mixed_speedup"] == pytest.approx(2.0)
 
 
+def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency(tmp_path, monkeypatch):
+    """A variant of speculative flags only is a way to serve main (SGLang's --speculative-adaptive picks the steps
+    per batch size, 0 at 32): it is timed at every concurrency, as main is, and its speedup is given per
+    concurrency against plain; a variant with other flags stays at batch 1, its plain too."""
+    from eagle3kit.acceptance import experiment
+
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(), offbyone=False,
+                                 proof=False, concurrencies=(1, 8), prompts_per_conc={1: 2, 8: 4}, rounds=1,
+                                 variants={"adaptive": ["--speculative-adaptive"],
+                                           "fi": ["--attention-backend", "flashinfer"]})
+
+    class Srv:
+        def __init__(self, url):
+            self.url = url
+
+        def stop(self):
+            pass
+
+    names = [s.name for s in experiment.servings(plan, tmp_path)]
+    assert names == ["plain", "main", "main-adaptive", "plain-fi", "main-fi"]
+    monkeypatch.setattr(online, "start_servers", lambda *a, **k: {"servers": {n: Srv(n) for n in names}, "failed": {}})
+    seen = {}
+
+    def fake_measure_servers(timed, max_new_tokens, rounds, after_round=None):
+        seen.update({n: sorted(by_conc) for n, (_, by_conc) in timed.items()})
+        done = {n: {c: _measured([1.0])[1] for c in by_conc} for n, (_, by_conc) in timed.items()}
+        after_round(done)
+        return done
+
+    monkeypatch.setattr(online, "measure_servers", fake_measure_servers)
+    experiment.run(plan, [[1, 2]] * 4, tmp_path / "online", log=lambda *_: None)
+    assert seen == {"plain": [1, 8], "main": [1, 8], "main-adaptive": [1, 8], "plain-fi": [1], "main-fi": [1]}
+    p8, a8 = _measured([100.0, 300.0]), _measured([120.0, 390.0], [2.4, 1.5])
+    plain = {1: p8[1], 8: {**p8[1], "output_tokens_per_s_median": 1000.0, "rounds": [{"output_tokens_per_s": 1000.0}]}}
+    adaptive = {1: a8[1], 8: {**a8[1], "output_tokens_per_s_median": 950.0,
+                              "rounds": [{"output_tokens_per_s": 950.0, "accept_length": 1.2}]}}
+    srv = {"plain": plain, "main": plain, "main-adaptive": adaptive}
+    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}}, {}, {})
+    assert m["adaptive_speedup"] == pytest.approx(255 / 200) and m["adaptive_speedup_c8"] == pytest.approx(0.95)
+    assert m["adaptive_accept_length_c8"] == pytest.approx(1.2) and m["adaptive_plain_tokens_per_s_c8"] == 1000.0
+    assert m["adaptive_speedup_c8_rounds_min"] == pytest.approx(0.95) and "adaptive_breakeven_accept_length_c8" not in m
+
+
 def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(tmp_path):
     """The best setting is chosen among main, the sweep and the trees by speedup at batch 1 (a faster control does not
     count: it is not a drafter to serve), named with its (steps, topk, draft tokens); each setting's rounds give its

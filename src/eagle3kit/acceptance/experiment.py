@@ -44,7 +44,8 @@ class OnlinePlan:
     rounds: int = 2
     server_args: tuple = ("--attention-backend", "triton", "--sampling-backend", "pytorch")
     variants: dict = field(default_factory=dict)  # name -> extra server args for plain and main (batch 1), e.g.
-    # {"flashinfer": ["--attention-backend", "flashinfer"]}
+    # {"flashinfer": ["--attention-backend", "flashinfer"]}; a variant of speculative flags only (e.g. {"adaptive":
+    # ["--speculative-adaptive"]}) is main served otherwise, timed at every concurrency as main is
 
 
 def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
@@ -137,7 +138,10 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=No
                     continue
             # every setting's speed is a ratio users act on: each gets the same rounds as plain (batch 1 only: cheap);
             # plain and main also at every concurrency
-            timed[name] = (srv.url, by_conc if name in ("plain", "main") else {1: by_conc[1]})
+            v = _variant_of(name)  # main served with speculative flags only: a serving option, as main
+            every = name in ("plain", "main") or (v is not None and name == f"main-{v}"
+                                                   and speculative_only(plan.variants[v]))
+            timed[name] = (srv.url, by_conc if every else {1: by_conc[1]})
         if on_proof is not None:
             try:
                 on_proof(results)
@@ -475,14 +479,16 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         p, q = (srv.get(f"{w}-{b}", {}).get("by_concurrency", {}) for w in ("plain", "main"))
         if speculative_only(args):  # served plain as plain is
             p = srv.get("plain", {}).get("by_concurrency", {})
-        if 1 in p and 1 in q:
-            sm = online.summarize(p, q, 1)
-            m[f"{b}_plain_tokens_per_s"], m[f"{b}_spec_tokens_per_s"] = sm["plain_tokens_per_s"], sm["spec_tokens_per_s"]
-            m[f"{b}_speedup"] = sm["speedup"]
-            m.update(_speedup_spreads(f"{b}_speedup", p[1], q[1], batch1=True))
+        for conc in sorted(set(p) & set(q)):  # batch 1; every concurrency for a speculative-only variant
+            sm, sfx = online.summarize(p, q, conc), "" if conc == 1 else f"_c{conc}"
+            m[f"{b}_plain_tokens_per_s{sfx}"] = sm["plain_tokens_per_s"]
+            m[f"{b}_spec_tokens_per_s{sfx}"] = sm["spec_tokens_per_s"]
+            m[f"{b}_speedup{sfx}"] = sm["speedup"]
+            m.update(_speedup_spreads(f"{b}_speedup{sfx}", p[conc], q[conc], batch1=conc == 1))
             if sm["accept_length"] is not None:
-                m[f"{b}_accept_length"] = sm["accept_length"]
-                m[f"{b}_breakeven_accept_length"] = sm.get("breakeven_accept_length") or 0.0
+                m[f"{b}_accept_length{sfx}"] = sm["accept_length"]
+                if conc == 1:
+                    m[f"{b}_breakeven_accept_length"] = sm.get("breakeven_accept_length") or 0.0
     for name, r in srv.items():
         if name in ("plain", "main", "proof") or _variant_of(name) or "by_concurrency" not in r:
             continue
