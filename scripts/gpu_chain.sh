@@ -62,6 +62,11 @@
 # The params now also serve main with --speculative-adaptive at every concurrency (variant "adaptive", in place of the
 # steps-1 server): the default serve limit is 450 s (-12's serve took 404 of 420); fit the training with
 # gpu_fit_train.sh ... 450 170 9.
+# The interleaved timing (gpu-drafter-pipeline-13, 2026-12-03): that chain, the stage in 17 parts (~80 s of calls, then
+# 113 s of install and setup in the last part's call): data 512 s (7,587 samples; the helpers' start took 111-130 s),
+# training fitted to 6.7 min (521 s; 4,617 steps at 97.4 K tokens/s), serve 358 s with adaptive at every concurrency
+# (measured in full, then 05 stopped on a metric name, fixed since; 06 ran afterwards on the caller's machine), 22 s
+# left. Serve fits 420 with 06.
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged). Each

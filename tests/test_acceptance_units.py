@@ -402,6 +402,12 @@ def test_collect_merges_metrics_under_a_folder_and_skips_runs_without_figures(tm
     assert r["train_acc_pos0"] == 0.61 and r["offline_tau"] == 2.3 and r["online_accept_length"] == 2.1
     assert r["train_loss"] == "kl" and r["shared"] == "run"  # the run's own summary wins over deeper files
     assert rows[1] == {"run": "run3", "_path": str(tmp_path / "run3" / "metrics.json"), "online_accept_length": 1.7}
+    # records of several sessions end in the same folder name: named by as many folders above as tell them apart
+    for rec in ("gpu-12", "gpu-13"):
+        _write(tmp_path / "records" / rec / "serve" / "metrics.json", {"online_accept_length": 2.5})
+    rows = compare.collect([tmp_path / "records" / "gpu-12" / "serve" / "metrics.json",
+                            tmp_path / "records" / "gpu-13" / "serve", tmp_path / "run3"])
+    assert [r["run"] for r in rows] == ["gpu-12/serve", "gpu-13/serve", "run3"]
 
 
 def test_sweep_points():
@@ -756,11 +762,27 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     plain = {1: p8[1], 8: {**p8[1], "output_tokens_per_s_median": 1000.0, "rounds": [{"output_tokens_per_s": 1000.0}]}}
     adaptive = {1: a8[1], 8: {**a8[1], "output_tokens_per_s_median": 950.0,
                               "rounds": [{"output_tokens_per_s": 950.0, "accept_length": 1.2}]}}
-    srv = {"plain": plain, "main": plain, "main-adaptive": adaptive}
-    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}}, {}, {})
+    srv = {"plain": plain, "main": plain, "main-adaptive": adaptive, "plain-fi": p8, "main-fi": a8}
+    same = {n: {"identical": 0.5, "common_prefix": 0.75} for n in srv if n != "plain"}  # the run's own comparison
+    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()},
+                                    "outputs_match_plain": same}, {}, {})
+    # every name a metric may take (gpu-drafter-pipeline-13 lost 05's record to 'main-adaptive_outputs_...')
+    assert all(k.isidentifier() for k in m), [k for k in m if not k.isidentifier()]
+    assert m["adaptive_outputs_identical_to_plain"] == 0.5 and m["fi_plain_common_prefix_with_plain"] == 0.75
+    assert m["main_outputs_identical_to_plain"] == 0.5 and m["fi_outputs_identical_to_plain"] == 0.5
     assert m["adaptive_speedup"] == pytest.approx(255 / 200) and m["adaptive_speedup_c8"] == pytest.approx(0.95)
     assert m["adaptive_accept_length_c8"] == pytest.approx(1.2) and m["adaptive_plain_tokens_per_s_c8"] == 1000.0
     assert m["adaptive_speedup_c8_rounds_min"] == pytest.approx(0.95) and "adaptive_breakeven_accept_length_c8" not in m
+
+
+def test_a_variant_or_control_name_that_cannot_name_a_metric_is_refused_before_any_server_starts():
+    from eagle3kit.acceptance import experiment
+
+    with pytest.raises(ValueError, match=r"variant names \['flash-infer'\].*'flash_infer'"):
+        experiment.OnlinePlan(target="t", drafter="d", variants={"flash-infer": ["--attention-backend", "flashinfer"]})
+    with pytest.raises(ValueError, match=r"control names \['fp8 data'\]"):
+        experiment.OnlinePlan(target="t", drafter="d", controls={"fp8 data": "x"})
+    experiment.OnlinePlan(target="t", drafter="d", variants={"flash_infer": []}, controls={"fp8": "x"})
 
 
 def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(tmp_path):
@@ -940,6 +962,13 @@ def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     segs = sorted((round(s[0][0], 3), round(s[0][1], 3), round(s[1][1], 3)) for coll in fig.axes[1].collections
                   for s in coll.get_segments() if len(s))
     assert segs == [(3.0, 0.73, 0.94), (5.0, 0.985, 1.135)], segs
+    # each run's break-even in its own line and colour (-11, -12 and -13 were written over each other)
+    fig = compare.plot([{"run": "a", **rounds, "breakeven_accept_length": 2.9},
+                        {"run": "b", "steps3_speedup": 0.9, "breakeven_accept_length": 3.4}])
+    notes = [(t.get_text(), t.xyann if hasattr(t, "xyann") else t.get_position(), t.get_color())
+             for t in fig.axes[1].texts]
+    assert [n[0][:23] for n in notes] == ["break-even accept 2.90 ", "break-even accept 3.40 "], notes
+    assert notes[0][1] != notes[1][1] and notes[0][2] != notes[1][2], notes
     # equal rounds: the medians' ratio may round a hair past them (matplotlib refuses a negative error)
     compare.plot([{"run": "c", "steps3_speedup": 1.1, "steps3_speedup_rounds_min": 1.1 + 4e-16,
                    "steps3_speedup_rounds_max": 1.1 - 4e-16}])

@@ -158,3 +158,13 @@ def test_a_key_no_notebook_declares_is_refused_in_a_shipped_file(tmp_path):
     (tmp_path / "p.yaml").write_text(text)
     with pytest.raises(ParamsError, match="rows_per_batchx"):
         plan_run(tmp_path / "p.yaml", ROOT / "notebooks")
+
+
+def test_only_one_step_of_a_shipped_file_keeps_its_common_keys():
+    """`--only 06_compare` of the GPU params (06 over records brought back, after a serve phase failed) was refused:
+    its common keys (target) are declared by the other steps of the file, not by 06; a misspelt one still fails."""
+    plan = plan_run(ROOT / "params" / "gpu-smollm2-drafter.yaml", ROOT / "notebooks", only=["06_compare"])
+    assert plan.steps == ["06_compare"] and "target" not in plan.per_step["06_compare"]
+    with pytest.raises(ParamsError, match="common.tagret"):
+        plan_run(ROOT / "params" / "gpu-smollm2-drafter.yaml", ROOT / "notebooks", only=["06_compare"],
+                 overrides=["tagret=x"])

@@ -80,6 +80,7 @@ def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None
     for s in steps:
         if s not in declared:
             raise ParamsError(f"{source}: step {s!r} has no notebook notebooks/{s}.ipynb.{_suggest(s, declared)}")
+    planned = steps  # a common key needs a notebook among all of them, not only those --only runs now
     if only:
         for s in only:
             if s not in steps:
@@ -91,8 +92,8 @@ def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None
         if s not in declared:
             raise ParamsError(f"{source}: notebooks.{s}: no such notebook.{_suggest(s, declared)}")
     for k in common:
-        if not any(k in declared[s] for s in steps):
-            known = {p for s in steps for p in declared[s]}
+        if not any(k in declared[s] for s in planned):
+            known = {p for s in planned for p in declared[s]}
             raise ParamsError(f"{source}: common.{k}: no notebook of this run declares {k!r}.{_suggest(k, known)}")
     checked = {}
     for s in set(steps) | set(sections):  # sections of steps not run now are checked too

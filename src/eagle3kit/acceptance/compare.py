@@ -53,12 +53,25 @@ def _row(path: Path) -> dict | None:
 
 
 def collect(paths) -> list[dict]:
-    """One row per path given (a folder: its metrics.json files merged)."""
+    """One row per path given (a folder: its metrics.json files merged), each named by its folder, or by as many of
+    the folders above it as keep the names apart (records/-12/serve and records/-13/serve: -12/serve, -13/serve)."""
     rows = []
     for p in map(Path, paths):
         r = _row(p) if p.exists() else None
         if r is not None:
             rows.append(r)
+    folders = [Path(r["_path"]).parent.parts if r["_path"].endswith(".json") else Path(r["_path"]).parts
+               for r in rows]
+    depth = [1] * len(rows)
+    while True:
+        names = ["/".join(f[-d:]) for f, d in zip(folders, depth)]
+        longer = [i for i, n in enumerate(names) if names.count(n) > 1 and depth[i] < len(folders[i])]
+        if not longer:
+            break
+        for i in longer:
+            depth[i] += 1
+    for r, name in zip(rows, names):
+        r["run"] = name
     return rows
 
 
@@ -83,6 +96,7 @@ def plot(rows: list[dict], path=None):
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     a, b, c = axes
+    noted = 0  # break-even lines written so far
     for r in rows:
         on, off, walk, sp = sweep(r, "accept"), sweep(r, "offline"), sweep(r, "walk"), sweep(r, "speedup")
         if on:
@@ -100,10 +114,11 @@ def plot(rows: list[dict], path=None):
             hi = [r.get(f"steps{n}_speedup_rounds_max", nan) - v for n, v in sp]
             # the medians' ratio may round a hair past equal rounds' (matplotlib refuses a negative error); nan stays
             lo, hi = ([e if math.isnan(e) else max(e, 0.0) for e in x] for x in (lo, hi))
-            b.errorbar(*zip(*sp), yerr=[lo, hi], fmt="o-", capsize=3, label=r["run"])
-            if r.get("breakeven_accept_length"):
-                b.annotate(f"break-even accept {r['breakeven_accept_length']:.2f} (3 steps)", (0.02, 0.92),
-                           xycoords="axes fraction", fontsize=7)
+            bar = b.errorbar(*zip(*sp), yerr=[lo, hi], fmt="o-", capsize=3, label=r["run"])
+            if r.get("breakeven_accept_length"):  # one line per run, in its colour
+                b.annotate(f"break-even accept {r['breakeven_accept_length']:.2f} (3 steps)", (0.02, 0.92 - 0.06 * noted),
+                           xycoords="axes fraction", fontsize=7, color=bar[0].get_color())
+                noted += 1
     a.set(xlabel="draft steps (chain)", ylabel="accept length (tokens / verify)", title="accept length vs steps")
     b.axhline(1.0, color="grey", ls=":", lw=1)
     b.set(xlabel="draft steps (chain)", ylabel="speedup vs plain, batch 1", title="speedup vs steps")

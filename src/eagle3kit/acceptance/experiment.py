@@ -47,6 +47,13 @@ class OnlinePlan:
     # {"flashinfer": ["--attention-backend", "flashinfer"]}; a variant of speculative flags only (e.g. {"adaptive":
     # ["--speculative-adaptive"]}) is main served otherwise, timed at every concurrency as main is
 
+    def __post_init__(self):  # names become metric prefixes (<name>_speedup): found before any server starts
+        for kind, names in (("variant", self.variants), ("control", self.controls)):
+            bad = [n for n in names if not str(n).isidentifier()]
+            if bad:
+                raise ValueError(f"{kind} names {bad} must be identifiers (letters, digits, _), e.g. "
+                                 f"{str(bad[0]).replace('-', '_')!r}: they name the metrics")
+
 
 def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
     from eagle3kit.acceptance.drafthook import draft_hooks
@@ -241,6 +248,13 @@ REQUIRED = ("plain", "main", "proof", "offbyone")  # without them the experiment
 
 def _variant_of(name: str) -> str | None:
     return name.split("-", 1)[1] if name.startswith(("plain-", "main-")) else None
+
+
+def _metric_prefix(name: str) -> str:
+    """A server's name as the start of a metric name: a variant's servers by the variant (main-adaptive: adaptive,
+    plain-fi: fi_plain), every other server by its own name."""
+    v = _variant_of(name)
+    return name if v is None else v if name.startswith("main-") else f"{v}_plain"
 
 
 def _proof_requests(url: str, prompts) -> None:
@@ -528,6 +542,6 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
     m.update(_best_setting(results, m, plan.serving))
     m.update(proof_metrics(plan, proofs))
     for name, match in results.get("outputs_match_plain", {}).items():
-        m[f"{name}_outputs_identical_to_plain"] = match["identical"]
-        m[f"{name}_common_prefix_with_plain"] = match["common_prefix"]
+        m[f"{_metric_prefix(name)}_outputs_identical_to_plain"] = match["identical"]
+        m[f"{_metric_prefix(name)}_common_prefix_with_plain"] = match["common_prefix"]
     return m
