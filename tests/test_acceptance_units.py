@@ -684,6 +684,10 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     assert m["online_speedup"] == pytest.approx(1.5) and m["online_accept_length"] == pytest.approx(2.4)
     assert m["flashinfer_speedup"] == pytest.approx(2.0) and m["flashinfer_breakeven_accept_length"] == pytest.approx(1.2)
     assert m["breakeven_accept_length"] == pytest.approx(1.6)
+    # the break-even's parts: plain 10 ms a token, main's cycle 16 ms for its 2.4 tokens (each setting's own cycle)
+    assert m["plain_ms_per_token"] == pytest.approx(10.0) and m["online_cycle_ms"] == pytest.approx(16.0)
+    assert m["engine_cycle_ms"] == pytest.approx(1000 * 1.3 / 90) and m["flashinfer_cycle_ms"] == pytest.approx(10.0)
+    assert m["online_cycle_ms"] / m["plain_ms_per_token"] == pytest.approx(m["breakeven_accept_length"])
     assert m["engine_control_accept_length"] == pytest.approx(1.3) and m["engine_speedup"] == pytest.approx(0.9)
     assert m["engine_breakeven_accept_length"] == pytest.approx(1.3 / 0.9)
     assert m["negative_control_accept_length"] == pytest.approx(1.1) and m["engine_offline_tau"] == 1.4
@@ -888,8 +892,10 @@ def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path,
     (tmp_path / "proof.json").write_text(json.dumps({"proof": {
         "export_params_unloaded": 0, "export_params_checked": 11, "doctor_verified": True, "doctor_ok": True,
         "fed_layer_ids": [2, 15, 27], "fed_layer_rel_err": [0.01, 0.02, 0.01]}}))
-    (tmp_path / "metrics.json").write_text(json.dumps({"offline_tau_3": 3.0, "offline_walk_accept_length_3": 2.5}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"offline_tau_3": 3.0, "offline_walk_accept_length_3": 2.5,
+                                                       "offline_walk_same_replies": 2.4}))
     m = experiment.record_partial(tmp_path)
+    assert m["offline_walk_same_replies_online_rel_gap"] == pytest.approx(0.1 / 2.5)  # recorded before the servers
     assert m["export_params_unloaded"] == 0 and m["doctor_verified_families"] == "llama" and m["online_partial"]
     (tmp_path / "proof.json").unlink()
     assert json.loads((tmp_path / "metrics.json").read_text())["online_speedup"] == m["online_speedup"]

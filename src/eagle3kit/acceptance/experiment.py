@@ -234,7 +234,11 @@ def record_partial(step, target: str | None = None) -> dict:
     if not measured:
         return {}
     proof = step / "proof.json"  # made before the rounds (notebook 05's on_proof), so a cut run has it too
-    m = summarize(plan, results, json.loads(proof.read_text()) if proof.exists() else {}, {"main": recorded})
+    offline = {"main": recorded}  # 05 records the walk over batch 1's replies before its servers start
+    if "offline_walk_same_replies" in recorded:
+        offline["main_first_replies"] = {f"offline_walk_accept_length_{plan.serving[0]}":
+                                         recorded["offline_walk_same_replies"]}
+    m = summarize(plan, results, json.loads(proof.read_text()) if proof.exists() else {}, offline)
     for k in ("online_servers_failed", "online_required_servers_failed"):  # the summary's mark of a complete run
         m.pop(k, None)
     m.update(online_partial=True, online_servers_measured=len(measured),
@@ -465,6 +469,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                 m[f"{who}_tokens_per_s{sfx}_spread"] = online.spread(srv[who]["by_concurrency"][conc])
             if conc == 1 and sm.get("breakeven_accept_length"):
                 m["breakeven_accept_length"] = sm["breakeven_accept_length"]
+            if "cycle_ms" in sm:  # the break-even's parts: how long a cycle takes, how long plain takes a token
+                m["plain_ms_per_token"], m["online_cycle_ms"] = sm["plain_ms_per_token"], sm["cycle_ms"]
         ci = online.accept_interval(srv["main"]["by_concurrency"][1])
         if ci:  # how far batch 1's prompts pin the accept length down
             m["online_accept_length_ci95_low"], m["online_accept_length_ci95_high"] = ci
@@ -503,6 +509,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                 m[f"{b}_accept_length{sfx}"] = sm["accept_length"]
                 if conc == 1:
                     m[f"{b}_breakeven_accept_length"] = sm.get("breakeven_accept_length") or 0.0
+                if "cycle_ms" in sm:
+                    m[f"{b}_cycle_ms"] = sm["cycle_ms"]
     for name, r in srv.items():
         if name in ("plain", "main", "proof") or _variant_of(name) or "by_concurrency" not in r:
             continue
@@ -525,6 +533,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                                       batch1=True))
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
                 m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
+                m[f"{key}_cycle_ms"] = 1000.0 * a / tps
     m.update(control_offline(plan.controls, offline, s))
     if "engine" in plan.controls and "engine_accept_length" in m:
         m["engine_control_accept_length"] = m["engine_accept_length"]

@@ -342,7 +342,8 @@ def accept_difference_interval(a: dict, b: dict, level: float = 0.95, resamples:
 
 
 def summarize(plain: dict, spec: dict, conc: int) -> dict:
-    """Speedup (median over rounds) and, at batch 1, the break-even accept length."""
+    """Speedup (median over rounds) and the break-even accept length; at batch 1 also the times it comes from: plain's
+    milliseconds a token and the speculative server's a verify cycle (accept length tokens; prefill included in both)."""
     p = plain[conc]["output_tokens_per_s_median"]
     s = spec[conc]["output_tokens_per_s_median"]
     acc = [r["accept_length"] for r in spec[conc]["rounds"] if "accept_length" in r]
@@ -350,6 +351,8 @@ def summarize(plain: dict, spec: dict, conc: int) -> dict:
     out = {"speedup": s / p if p else 0.0, "accept_length": accept, "plain_tokens_per_s": p, "spec_tokens_per_s": s}
     if accept:
         out["breakeven_accept_length"] = breakeven(accept, out["speedup"])
+        if conc == 1 and p and s:
+            out["plain_ms_per_token"], out["cycle_ms"] = 1000.0 / p, 1000.0 * accept / s
     return out
 
 
