@@ -408,6 +408,10 @@ def test_collect_merges_metrics_under_a_folder_and_skips_runs_without_figures(tm
     rows = compare.collect([tmp_path / "records" / "gpu-12" / "serve" / "metrics.json",
                             tmp_path / "records" / "gpu-13" / "serve", tmp_path / "run3"])
     assert [r["run"] for r in rows] == ["gpu-12/serve", "gpu-13/serve", "run3"]
+    _write(tmp_path / "records" / "gpu-13" / "serve" / "again.json", {"online_accept_length": 2.6})
+    rows = compare.collect([tmp_path / "records" / "gpu-13" / "serve" / "metrics.json",
+                            tmp_path / "records" / "gpu-13" / "serve" / "again.json"])
+    assert [r["run"] for r in rows] == ["serve", "again"]  # two files of one folder
 
 
 def test_sweep_points():
@@ -677,7 +681,8 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     srv = {"plain": _measured([100.0]), "main": _measured([150.0], [2.4]), "engine": _measured([90.0], [1.3]),
            "offbyone": _measured([80.0], [1.1]), "plain-flashinfer": _measured([120.0]),
            "main-flashinfer": _measured([240.0], [2.4])}
-    results = {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}, "failed": {"steps1": "oom"}}
+    results = {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}, "failed": {"steps1": "oom"},
+               "outputs_match_plain": {n: {"identical": 0.5, "common_prefix": 0.7} for n in srv if n != "plain"}}
     m = experiment.summarize(plan, results, {}, {"main": {"offline_tau_3": 2.5, "offline_walk_accept_length_3": 2.2},
                                                  "main_first_replies": {"offline_walk_accept_length_3": 2.52},
                                                  "engine": {"offline_tau_3": 1.4}})
@@ -688,6 +693,10 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     assert m["plain_ms_per_token"] == pytest.approx(10.0) and m["online_cycle_ms"] == pytest.approx(16.0)
     assert m["engine_cycle_ms"] == pytest.approx(1000 * 1.3 / 90) and m["flashinfer_cycle_ms"] == pytest.approx(10.0)
     assert m["online_cycle_ms"] / m["plain_ms_per_token"] == pytest.approx(m["breakeven_accept_length"])
+    assert m["steps3_cycle_ms"] == m["online_cycle_ms"]  # the serving setting in the sweep, as its speedup is
+    assert m["flashinfer_plain_ms_per_token"] == pytest.approx(1000 / 120)  # against its own plain
+    assert m["flashinfer_cycle_ms"] / m["flashinfer_plain_ms_per_token"] == pytest.approx(
+        m["flashinfer_breakeven_accept_length"])
     assert m["engine_control_accept_length"] == pytest.approx(1.3) and m["engine_speedup"] == pytest.approx(0.9)
     assert m["engine_breakeven_accept_length"] == pytest.approx(1.3 / 0.9)
     assert m["negative_control_accept_length"] == pytest.approx(1.1) and m["engine_offline_tau"] == 1.4
@@ -698,6 +707,8 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     assert m["offline_walk_same_replies"] == 2.52
     assert m["offline_walk_same_replies_online_rel_gap"] == pytest.approx(0.12 / 2.4)
     assert not any(k.startswith(("plain-", "main-")) for k in m)
+    assert all(k.isidentifier() for k in m), [k for k in m if not k.isidentifier()]  # every server's figures
+    assert m["flashinfer_plain_outputs_identical_to_plain"] == 0.5 and m["engine_common_prefix_with_plain"] == 0.7
     assert m["online_servers_failed"] == 1 and m["online_required_servers_failed"] == 0
     assert m["doctor_verified_families"] == "" and m["doctor_target_model_type"] == "llama"  # no proof ran
 
@@ -787,6 +798,15 @@ def test_a_variant_or_control_name_that_cannot_name_a_metric_is_refused_before_a
     with pytest.raises(ValueError, match=r"control names \['fp8 data'\]"):
         experiment.OnlinePlan(target="t", drafter="d", controls={"fp8 data": "x"})
     experiment.OnlinePlan(target="t", drafter="d", variants={"flash_infer": []}, controls={"fp8": "x"})
+    # a name whose metrics another server already writes would overwrite them silently
+    for clash in ({"controls": {"online": "x"}}, {"controls": {"steps3": "x"}}, {"variants": {"tree5x4x8": []}},
+                  {"controls": {"negative_control": "x"}}):
+        with pytest.raises(ValueError, match="taken by another server"):
+            experiment.OnlinePlan(target="t", drafter="d", **clash)
+    for clash in ({"variants": {"fp8": []}, "controls": {"fp8": "x"}},
+                  {"variants": {"fi": []}, "controls": {"fi_plain": "x"}}):
+        with pytest.raises(ValueError, match="variant and a control"):
+            experiment.OnlinePlan(target="t", drafter="d", **clash)
 
 
 def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(tmp_path):
@@ -974,7 +994,8 @@ def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     notes = [(t.get_text(), t.xyann if hasattr(t, "xyann") else t.get_position(), t.get_color())
              for t in fig.axes[1].texts]
     assert [n[0][:23] for n in notes] == ["break-even accept 2.90 ", "break-even accept 3.40 "], notes
-    assert notes[0][1] != notes[1][1] and notes[0][2] != notes[1][2], notes
+    curves = [c for c in fig.axes[1].containers]  # each run's speedup curve (error bar container), in row order
+    assert [n[2] for n in notes] == [c[0].get_color() for c in curves] and notes[0][1] != notes[1][1], notes
     # equal rounds: the medians' ratio may round a hair past them (matplotlib refuses a negative error)
     compare.plot([{"run": "c", "steps3_speedup": 1.1, "steps3_speedup_rounds_min": 1.1 + 4e-16,
                    "steps3_speedup_rounds_max": 1.1 - 4e-16}])

@@ -168,3 +168,9 @@ def test_only_one_step_of_a_shipped_file_keeps_its_common_keys():
     with pytest.raises(ParamsError, match="common.tagret"):
         plan_run(ROOT / "params" / "gpu-smollm2-drafter.yaml", ROOT / "notebooks", only=["06_compare"],
                  overrides=["tagret=x"])
+    # a common key set on the command line must reach a step run now: 06 has no 'target', so it would change nothing
+    with pytest.raises(ParamsError, match=r"--set target=\.\.\.: no step run now \(06_compare\)"):
+        plan_run(ROOT / "params" / "gpu-smollm2-drafter.yaml", ROOT / "notebooks", only=["06_compare"],
+                 overrides=["target=embedded:smollm2"])
+    plan_run(ROOT / "params" / "gpu-smollm2-drafter.yaml", ROOT / "notebooks", only=["05_acceptance"],
+             overrides=["target=embedded:smollm2"])

@@ -67,10 +67,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None, source: str = "params") -> Plan:
+def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None, source: str = "params",
+            cli_common=()) -> Plan:
     """Check ``data`` against each notebook's declared parameters (papermill.inspect_notebook) and resolve.
 
-    ``declared`` maps step name -> {param name: {"inferred_type_name": ..., "default": ...}}.
+    ``declared`` maps step name -> {param name: {"inferred_type_name": ..., "default": ...}}. ``cli_common``: the
+    common keys given on the command line (``--set key=value``), which must reach a step run now.
     """
     unknown_top = set(data) - TOP_KEYS
     if unknown_top:
@@ -95,6 +97,9 @@ def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None
         if not any(k in declared[s] for s in planned):
             known = {p for s in planned for p in declared[s]}
             raise ParamsError(f"{source}: common.{k}: no notebook of this run declares {k!r}.{_suggest(k, known)}")
+        if k in cli_common and not any(k in declared[s] for s in steps):
+            raise ParamsError(f"--set {k}=...: no step run now ({', '.join(steps)}) declares {k!r}; it would change "
+                              f"nothing (write STEP.{k}=... for a step of {source}, or run that step)")
     checked = {}
     for s in set(steps) | set(sections):  # sections of steps not run now are checked too
         params = {k: v for k, v in common.items() if k in declared[s]}

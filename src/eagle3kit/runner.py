@@ -89,7 +89,8 @@ def plan_run(params_file: Path, notebooks_dir: Path, only=None, overrides=()) ->
     if not available:
         raise ParamsError(f"no notebooks in {notebooks_dir}: pass --notebooks DIR")
     declared = {name: declared_parameters(path) for name, path in available.items()}
-    return resolve(data, declared, only=only, source=str(params_file))
+    cli_common = {o.split("=", 1)[0] for o in overrides if "." not in o.split("=", 1)[0]}
+    return resolve(data, declared, only=only, source=str(params_file), cli_common=cli_common)
 
 
 def _write_json(path: Path, obj) -> None:

@@ -53,15 +53,18 @@ def _row(path: Path) -> dict | None:
 
 
 def collect(paths) -> list[dict]:
-    """One row per path given (a folder: its metrics.json files merged), each named by its folder, or by as many of
-    the folders above it as keep the names apart (records/-12/serve and records/-13/serve: -12/serve, -13/serve)."""
+    """One row per path given (a folder: its metrics.json files merged), each named by its folder (and a file's stem
+    where it is not metrics.json), or by as many of the folders above as keep the names apart (records/-12/serve and
+    records/-13/serve: -12/serve, -13/serve)."""
     rows = []
     for p in map(Path, paths):
         r = _row(p) if p.exists() else None
         if r is not None:
             rows.append(r)
-    folders = [Path(r["_path"]).parent.parts if r["_path"].endswith(".json") else Path(r["_path"]).parts
-               for r in rows]
+    def where(p: Path):  # a file other than metrics.json is named by its stem too (two files of one folder)
+        return (*p.parent.parts, p.stem) if p.is_file() and p.name != "metrics.json" else \
+            p.parent.parts if p.is_file() else p.parts
+    folders = [where(Path(r["_path"])) for r in rows]
     depth = [1] * len(rows)
     while True:
         names = ["/".join(f[-d:]) for f, d in zip(folders, depth)]

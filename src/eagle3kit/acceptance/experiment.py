@@ -18,6 +18,7 @@ Servers (all started at once, then timed in interleaved rounds, batch 1 prompt b
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -53,6 +54,15 @@ class OnlinePlan:
             if bad:
                 raise ValueError(f"{kind} names {bad} must be identifiers (letters, digits, _), e.g. "
                                  f"{str(bad[0]).replace('-', '_')!r}: they name the metrics")
+        # a name another server's metrics already use would overwrite them (online_speedup, steps3_speedup, ...)
+        taken = {"online", "plain", "main", "proof", "offbyone", "negative_control", "engine_control"}
+        for name in [*self.variants, *self.controls]:
+            if name in taken or re.fullmatch(r"steps\d+|tree\d+x\d+x\d+", name):
+                raise ValueError(f"variant or control name {name!r} is taken by another server's metrics: rename it")
+        both = set(self.variants) & set(self.controls) | {f"{v}_plain" for v in self.variants} & set(self.controls)
+        if both:
+            raise ValueError(f"names {sorted(both)} are given to a variant and a control (or a variant's plain server):"
+                             f" their metrics would overwrite each other; rename one")
 
 
 def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
@@ -509,8 +519,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                 m[f"{b}_accept_length{sfx}"] = sm["accept_length"]
                 if conc == 1:
                     m[f"{b}_breakeven_accept_length"] = sm.get("breakeven_accept_length") or 0.0
-                if "cycle_ms" in sm:
-                    m[f"{b}_cycle_ms"] = sm["cycle_ms"]
+                if "cycle_ms" in sm:  # against its own plain's step (plain's itself for a speculative-only one)
+                    m[f"{b}_cycle_ms"], m[f"{b}_plain_ms_per_token"] = sm["cycle_ms"], sm["plain_ms_per_token"]
     for name, r in srv.items():
         if name in ("plain", "main", "proof") or _variant_of(name) or "by_concurrency" not in r:
             continue
@@ -545,6 +555,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
     if f"steps{s}_accept_length" not in m and "online_accept_length" in m:
         m[f"steps{s}_accept_length"] = m["online_accept_length"]
         m[f"steps{s}_speedup"] = m.get("online_speedup", 0.0)
+        if "online_cycle_ms" in m:
+            m[f"steps{s}_cycle_ms"] = m["online_cycle_ms"]
         for end in SPEEDUP_SPREADS:
             if f"online_speedup_{end}" in m:
                 m[f"steps{s}_speedup_{end}"] = m[f"online_speedup_{end}"]
