@@ -394,9 +394,13 @@ def test_collect_merges_metrics_under_a_folder_and_skips_runs_without_figures(tm
     _write(tmp_path / "run1" / "broken" / "metrics.json", "{not json")
     _write(tmp_path / "run2" / "metrics.json", {"extract_engine": "sglang"})  # no acceptance/training figure
     _write(tmp_path / "run3" / "metrics.json", {"online_accept_length": 1.7})
+    skipped = []
     rows = compare.collect([tmp_path / "run1", tmp_path / "run2", tmp_path / "missing",
-                            tmp_path / "run3" / "metrics.json"])
+                            tmp_path / "run3" / "metrics.json"], skipped=skipped)
     assert [r["run"] for r in rows] == ["run1", "run3"]
+    # nothing is dropped without a word: the broken file, the run without figures, the missing path
+    assert len(skipped) == 3 and "broken/metrics.json: unreadable" in skipped[0], skipped
+    assert "run2: none of offline_tau" in skipped[1] and "missing: no such file or folder" in skipped[2], skipped
     r = rows[0]
     assert r["_path"] == str(tmp_path / "run1")
     assert r["train_acc_pos0"] == 0.61 and r["offline_tau"] == 2.3 and r["online_accept_length"] == 2.1
@@ -1036,3 +1040,13 @@ def test_control_offline_figures_are_against_mains_tau_at_the_same_steps():
     assert m == {"fp8_offline_tau": 1.99, "fp8_offline_rel_diff": pytest.approx(-0.005),
                  "seed1_offline_tau": 1.97, "seed1_offline_rel_diff": pytest.approx(-0.015)}, m
     assert control_offline({"fp8": "a"}, {"fp8": {"offline_tau_3": 1.99}}, 3) == {"fp8_offline_tau": 1.99}
+
+
+def test_compare_cli_names_each_run_left_out_and_fails_when_a_given_run_gives_no_row(tmp_path, capsys):
+    from eagle3kit import cli
+
+    _write(tmp_path / "run1" / "metrics.json", {"online_accept_length": 2.5, "online_speedup": 1.1})
+    assert cli.main(["compare", str(tmp_path / "run1"), "--out", str(tmp_path / "c")]) == 0
+    assert cli.main(["compare", str(tmp_path / "run1"), str(tmp_path / "run9"), "--out", str(tmp_path / "c2")]) == 2
+    err = capsys.readouterr().err
+    assert "run9: no such file or folder" in err and "1 of the 2 runs given gave no row" in err and "Traceback" not in err

@@ -29,7 +29,7 @@ def test_demo_pipeline_small(tmp_path):
     assert m["train_steps"] > 0 and m["heldout_loss_pos0"] < m["initial_heldout_loss_pos0"]
     assert m["train_acc_pos0"] > m["baseline_acc_pos0"] and m["export_doctor_ok"] and m["export_loadback_max_rel_err"] < 0.05
     assert m["offline_acc_pos0"] > m["offline_baseline_acc_pos0"] and m["offline_tau_3"] >= m["offline_tau_1"] > 1.0
-    assert m["compare_runs"] == 1
+    assert m["compare_runs"] == 1 and m["compare_left_out"] == 0
     assert m["negative_controls_caught"] == m["negative_controls_total"] == 5  # 02: every capture mistake rejected
     assert m["verify_reference_checked"] == 2 and m["verify_reference_failed"] == 0  # 03: spot check
     status = json.loads((run_dir / "status.json").read_text())

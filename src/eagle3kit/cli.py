@@ -101,9 +101,13 @@ def _train(a):
 def _compare(a):
     from eagle3kit.acceptance.compare import collect, write_report
 
-    rows = collect(a.runs)
-    if not rows:
-        raise ValueError(f"no metrics.json with acceptance or training figures under {a.runs}")
+    skipped: list = []
+    rows = collect(a.runs, skipped=skipped)
+    for line in skipped:
+        print(f"eagle3kit compare: {line}", file=sys.stderr)
+    if len(rows) < len(a.runs):
+        raise ValueError(f"{len(a.runs) - len(rows)} of the {len(a.runs)} runs given gave no row (above); "
+                         f"give run folders or metrics.json files with acceptance or training figures")
     print(write_report(rows, Path(a.out)))
     return 0
 

@@ -35,30 +35,41 @@ BARS = [("offline_tau", "offline tau (3 steps)"),
         ("online_accept_length", "online accept length (3 steps), 95 % over prompts")]
 
 
-def _row(path: Path) -> dict | None:
+FIGURES = ("offline_tau", "online_accept_length", "train_acc_pos0")  # a row needs one of them
+
+
+def _row(path: Path, skipped: list) -> dict | None:
     """A run's figures: a metrics.json, or every metrics.json under a folder merged (the deepest first, so a run's
-    own summary wins over its steps')."""
+    own summary wins over its steps'). What cannot be read is told in ``skipped``."""
+    if not path.exists():
+        skipped.append(f"{path}: no such file or folder (give a run folder or a metrics.json)")
+        return None
     files = [path] if path.is_file() else sorted(path.rglob("metrics.json"), key=lambda f: -len(f.parts))
     m: dict = {}
     for f in files:
         try:
             d = json.loads(f.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            skipped.append(f"{f}: unreadable, left out ({type(e).__name__}: {str(e)[:120]})")
             continue
         if isinstance(d, dict):
             m.update(d)
-    if not any(k in m for k in ("offline_tau", "online_accept_length", "train_acc_pos0")):
+        else:
+            skipped.append(f"{f}: not a flat metrics object ({type(d).__name__}), left out")
+    if not any(k in m for k in FIGURES):
+        skipped.append(f"{path}: none of {', '.join(FIGURES)} in {len(files)} metrics.json file(s): no row")
         return None
     return {"run": path.parent.name if path.is_file() else path.name, "_path": str(path), **m}
 
 
-def collect(paths) -> list[dict]:
+def collect(paths, skipped: list | None = None) -> list[dict]:
     """One row per path given (a folder: its metrics.json files merged), each named by its folder (and a file's stem
     where it is not metrics.json), or by as many of the folders above as keep the names apart (records/-12/serve and
-    records/-13/serve: -12/serve, -13/serve)."""
-    rows = []
+    records/-13/serve: -12/serve, -13/serve). ``skipped``: a list that receives a line for each path or file left
+    out, and why (missing, unreadable, no figures)."""
+    rows, skipped = [], skipped if skipped is not None else []
     for p in map(Path, paths):
-        r = _row(p) if p.exists() else None
+        r = _row(p, skipped)
         if r is not None:
             rows.append(r)
     def where(p: Path):  # a file other than metrics.json is named by its stem too (two files of one folder)
