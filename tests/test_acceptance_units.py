@@ -691,6 +691,7 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
                                                  "main_first_replies": {"offline_walk_accept_length_3": 2.52},
                                                  "engine": {"offline_tau_3": 1.4}})
     assert m["online_speedup"] == pytest.approx(1.5) and m["online_accept_length"] == pytest.approx(2.4)
+    assert m["online_serving"] == "3,1,4"  # the setting the unsuffixed figures are of
     assert m["flashinfer_speedup"] == pytest.approx(2.0) and m["flashinfer_breakeven_accept_length"] == pytest.approx(1.2)
     assert m["breakeven_accept_length"] == pytest.approx(1.6)
     # the break-even's parts: plain 10 ms a token, main's cycle 16 ms for its 2.4 tokens (each setting's own cycle)
@@ -1000,6 +1001,16 @@ def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     assert [n[0][:23] for n in notes] == ["break-even accept 2.90 ", "break-even accept 3.40 "], notes
     curves = [c for c in fig.axes[1].containers]  # each run's speedup curve (error bar container), in row order
     assert [n[2] for n in notes] == [c[0].get_color() for c in curves] and notes[0][1] != notes[1][1], notes
+    assert notes[0][0].endswith("(3 steps)")  # a run recorded before online_serving: served at (3,1,4)
+    # each run's own serving setting labels its figures; runs at different settings are not labelled as one
+    fig = compare.plot([{"run": "a", "steps3_speedup": 0.9, "breakeven_accept_length": 2.9, "online_serving": "5,1,6",
+                         "online_accept_length": 2.8}, {"run": "b", "online_accept_length": 2.5}])
+    assert fig.axes[1].texts[0].get_text().endswith("(5 steps)")
+    assert "online accept length (each run's serving steps), 95 % over prompts" in \
+        [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+    fig = compare.plot([{"run": "a", "online_accept_length": 2.8, "online_serving": "5,1,6"}])
+    assert [t.get_text() for t in fig.axes[2].get_legend().get_texts()] == [
+        "online accept length (5 steps), 95 % over prompts"]
     # equal rounds: the medians' ratio may round a hair past them (matplotlib refuses a negative error)
     compare.plot([{"run": "c", "steps3_speedup": 1.1, "steps3_speedup_rounds_min": 1.1 + 4e-16,
                    "steps3_speedup_rounds_max": 1.1 - 4e-16}])
@@ -1012,6 +1023,9 @@ def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     assert xs == [(1.9, 2.4), (2.0, 2.7)], xs
     labels = [x.get_text() for x in fig.axes[0].get_yticklabels()]
     assert labels == ["layer ids off by one", "trained (SGLang states)"], labels
+    assert "(3 steps, topk 1, 4 draft tokens" in fig.axes[0].get_xlabel()
+    fig = compare.controls_plot({**m, "online_serving": "5,1,6"}, "t")
+    assert "(5 steps, topk 1, 6 draft tokens" in fig.axes[0].get_xlabel()
     m.update(negative_control_accept_cost_ci95_low=0.03, negative_control_accept_cost_ci95_high=0.22,
              offbyone_doctor_ok=False, postnorm_accept_length=1.2, postnorm_doctor_ok=False, engine_accept_length=2.2,
              engine_doctor_ok=True, engine_accept_cost_ci95_low=-0.05, engine_accept_cost_ci95_high=0.29)

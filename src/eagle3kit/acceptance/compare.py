@@ -20,7 +20,7 @@ from pathlib import Path
 
 COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage", "train_loss", "train_ttt_steps",
            "train_lm_head", "train_samples", "train_tokens", "train_acc_pos0", "baseline_acc_pos0", "offline_tau",
-           "offline_walk_accept_length", "offline_walk_same_replies", "online_accept_length",
+           "offline_walk_accept_length", "offline_walk_same_replies", "online_serving", "online_accept_length",
            "online_accept_length_ci95_low", "online_accept_length_ci95_high", "online_speedup",
            "breakeven_accept_length", "plain_ms_per_token", "online_cycle_ms", "online_best_setting", "online_best_speedup", "online_best_speedup_rounds_min",
            "online_best_speedup_rounds_max", "online_best_speedup_pooled",
@@ -29,10 +29,21 @@ COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage
            "negative_control_accept_cost_ci95_low", "engine_control_accept_length", "fp8_accept_rel_diff"]
 
 
-BARS = [("offline_tau", "offline tau (3 steps)"),
-        ("offline_walk_accept_length", "offline walk, held out (3 steps)"),
+BARS = [("offline_tau", "offline tau ({steps})"),
+        ("offline_walk_accept_length", "offline walk, held out ({steps})"),
         ("offline_walk_same_replies", "offline walk, online's replies"),
-        ("online_accept_length", "online accept length (3 steps), 95 % over prompts")]
+        ("online_accept_length", "online accept length ({steps}), 95 % over prompts")]
+LEGACY_SERVING = "3,1,4"  # the serving setting of runs recorded before 05 wrote online_serving (every one used it)
+
+
+def serving_of(row: dict) -> tuple[int, ...]:
+    """(steps, topk, draft tokens) a run's main drafter was served and measured at (``online_serving``)."""
+    return tuple(int(x) for x in str(row.get("online_serving", LEGACY_SERVING)).split(","))
+
+
+def _steps_label(rows) -> str:
+    steps = {serving_of(r)[0] for r in rows}
+    return f"{steps.pop()} steps" if len(steps) == 1 else "each run's serving steps"
 
 
 FIGURES = ("offline_tau", "online_accept_length", "train_acc_pos0")  # a row needs one of them
@@ -130,14 +141,16 @@ def plot(rows: list[dict], path=None):
             lo, hi = ([e if math.isnan(e) else max(e, 0.0) for e in x] for x in (lo, hi))
             bar = b.errorbar(*zip(*sp), yerr=[lo, hi], fmt="o-", capsize=3, label=r["run"])
             if r.get("breakeven_accept_length"):  # one line per run, in its colour
-                b.annotate(f"break-even accept {r['breakeven_accept_length']:.2f} (3 steps)", (0.02, 0.92 - 0.06 * noted),
+                b.annotate(f"break-even accept {r['breakeven_accept_length']:.2f} ({serving_of(r)[0]} steps)",
+                           (0.02, 0.92 - 0.06 * noted),
                            xycoords="axes fraction", fontsize=7, color=bar[0].get_color())
                 noted += 1
     a.set(xlabel="draft steps (chain)", ylabel="accept length (tokens / verify)", title="accept length vs steps")
     b.axhline(1.0, color="grey", ls=":", lw=1)
     b.set(xlabel="draft steps (chain)", ylabel="speedup vs plain, batch 1", title="speedup vs steps")
     names = [r["run"] for r in rows]
-    bars = [(k, label) for k, label in BARS if any(isinstance(r.get(k), (int, float)) for r in rows)]
+    bars = [(k, label.format(steps=_steps_label(rows))) for k, label in BARS
+            if any(isinstance(r.get(k), (int, float)) for r in rows)]
     width = 0.8 / max(1, len(bars))
     for j, (k, label) in enumerate(bars):
         vals = [r.get(k) if isinstance(r.get(k), (int, float)) else 0 for r in rows]
@@ -206,7 +219,8 @@ def controls_plot(m: dict, title: str, path=None):
         ax.legend(fontsize=7)
     ax.axvline(1.0, color="grey", ls=":", lw=1)
     ax.tick_params(axis="y", labelsize=7)
-    ax.set_xlabel("online accept length in SGLang (3 steps, topk 1, 4 draft tokens; 95 % over prompts)")
+    s, t, d = serving_of(m)
+    ax.set_xlabel(f"online accept length in SGLang ({s} steps, topk {t}, {d} draft tokens; 95 % over prompts)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     if path:

@@ -455,6 +455,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                "online_startup_seconds": results.get("startup_seconds", 0.0)}
     srv = results["servers"]
     s, t, d = plan.serving
+    m["online_serving"] = f"{s},{t},{d}"  # main's setting, which the unsuffixed figures are of
     if "plain" in srv and "main" in srv:
         for conc in plan.concurrencies:
             if conc not in srv["main"]["by_concurrency"]:
