@@ -970,6 +970,28 @@ def test_outputs_compared_to_plain_by_identity_and_common_prefix():
     assert m["bad"]["common_prefix"] == pytest.approx((0 + 4 / 5 + 1) / 3)
 
 
+def test_batch_1_replies_are_held_against_the_data_sets_own_replies():
+    """The offline walk over "the same replies" walks the replies stored in the data set; how far batch 1's online
+    replies (plain's and main's) follow them is measured as text, and summarized per server."""
+    from eagle3kit.acceptance import experiment
+
+    def srv(outs):
+        return {"by_concurrency": {1: {"rounds": [{"_outputs": outs}]}}}
+    words = {1: "the", 2: "cat", 3: "sat", 4: "dog", 5: "ran"}
+    decode = lambda ids: " ".join(words[i] for i in ids)  # noqa: E731
+    results = {"servers": {"plain": srv([[1, 2, 3], [1, 4, 5]]), "main": srv([[1, 2, 3], [1, 2, 5]]),
+                           "steps5": srv([[9]])}}
+    got = experiment.outputs_match_stored(results, [" the cat sat", "the dog ran\n"], decode)
+    assert sorted(got) == ["main", "plain"]  # the two servers 05 holds against the stored text
+    assert got["plain"] == {"identical": 1.0, "common_prefix": 1.0}
+    assert got["main"]["identical"] == 0.5 and got["main"]["common_prefix"] == pytest.approx((1 + 4 / 11) / 2)
+    assert experiment.outputs_match_stored(results, [], decode) == {}
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(), offbyone=False,
+                                 proof=False, concurrencies=(1,))
+    m = experiment.summarize(plan, {"servers": {}, "outputs_match_stored": got}, {}, {})
+    assert m["plain_outputs_identical_to_stored"] == 1.0 and m["main_common_prefix_with_stored"] < 1.0
+
+
 def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     """compare.plot: the online bar of a run with an interval carries it as an error bar, a run without one gets
     none (no zero-length bar at 0); the offline walk is drawn beside tau; the speedup curve carries each setting's

@@ -468,3 +468,14 @@ def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, 
     held = {e["conv_id"] for e in read_manifest(small_dataset).values() if e["split"] == "heldout"}
     assert prompts == online.heldout_prompts(small_dataset, tok, 3) and len(conv_ids) == len(prompts) > 0
     assert set(conv_ids) <= held
+    # the data set's own first reply of each of those conversations: the text 05 holds batch 1's replies against
+    texts = online.first_reply_texts(small_dataset, conv_ids)
+    assert len(texts) == len(conv_ids) and all(texts)
+    from eagle3kit.store import load_checked
+
+    entry = next(e for e in read_manifest(small_dataset).values() if e["conv_id"] == conv_ids[0])
+    a, b = entry["loss_spans"][0]  # the captured sample's first reply, as tokens: the same text
+    span = tok.decode(load_checked(small_dataset, entry)["token_ids"][a:b], skip_special_tokens=True).strip()
+    assert span and span[:40] == texts[0].strip()[:40], (span[:80], texts[0][:80])
+    with pytest.raises(ValueError, match="not-a-conversation"):
+        online.first_reply_texts(small_dataset, [conv_ids[0], "not-a-conversation"])

@@ -370,22 +370,38 @@ def breakeven(accept: float, speedup: float) -> float | None:
     return accept / speedup if speedup else None
 
 
+def _conversations(data_dir: Path) -> list[dict]:
+    """The conversations a data set was captured from: the target's regenerated ones where it has them."""
+    from eagle3kit.data.conversations import load_conversations
+
+    regen = data_dir / "regenerated.jsonl"
+    if regen.exists():
+        return [json.loads(line) for line in regen.read_text().splitlines() if line.strip()]
+    convs, _ = load_conversations(json.loads((data_dir / "extraction.json").read_text())["data"])
+    return convs
+
+
+def first_reply_texts(data_dir, conv_ids) -> list[str]:
+    """The first assistant reply of each conversation in ``conv_ids`` (in that order) as the data set holds it: on
+    regenerated data the target's own greedy reply to the prompt ``heldout_prompts`` renders."""
+    by_id = {c["id"]: c for c in _conversations(Path(data_dir))}
+    missing = [i for i in conv_ids if i not in by_id]
+    if missing:
+        raise ValueError(f"{data_dir}: conversations {missing[:5]} are not in its conversations (regenerated.jsonl "
+                         f"or the extraction's data)")
+    return [next((m["content"] for m in by_id[i]["messages"] if m["role"] == "assistant"), "") for i in conv_ids]
+
+
 def heldout_prompts(data_dir, tokenizer, n: int, max_prompt_tokens: int = 1024, with_ids: bool = False):
     """The first user turn(s) of held-out conversations (up to the first assistant turn), rendered with the
     target's chat template and its generation prompt: the prompts a served target would see. ``with_ids``:
-    (conversation ids, prompts), for ``offline.first_replies``."""
-    from eagle3kit.data.conversations import load_conversations
+    (conversation ids, prompts), for ``offline.first_replies`` and ``first_reply_texts``."""
     from eagle3kit.store import read_manifest
 
     data_dir = Path(data_dir)
     held = [e for e in read_manifest(data_dir).values() if e.get("split") == "heldout"]
     ids_wanted = {e["conv_id"] for e in held}
-    regen = data_dir / "regenerated.jsonl"
-    if regen.exists():
-        convs = [json.loads(line) for line in regen.read_text().splitlines() if line.strip()]
-    else:
-        settings = json.loads((data_dir / "extraction.json").read_text())
-        convs, _ = load_conversations(settings["data"])
+    convs = _conversations(data_dir)
     prompts, conv_ids = [], []
     for c in convs:
         if c["id"] not in ids_wanted:
