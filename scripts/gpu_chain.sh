@@ -67,6 +67,10 @@
 # training fitted to 6.7 min (521 s; 4,617 steps at 97.4 K tokens/s), serve 358 s with adaptive at every concurrency
 # (measured in full, then 05 stopped on a metric name, fixed since; 06 ran afterwards on the caller's machine), 22 s
 # left. Serve fits 420 with 06.
+# Next: the same chain (05 now also records each setting's cycle time, the stored-reply match behind the same-replies
+# gap, and the walk over batch 1's replies before its servers start); or, for #12 and #14, faults (the load test's
+# calibration spread over lengths, never rerun) beside the training, and kimi (02's prefix-cache pair in its own
+# namespace, never rerun) on a session without the drafter.
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged). Each
