@@ -778,6 +778,22 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     monkeypatch.setattr(online, "measure_servers", fake_measure_servers)
     experiment.run(plan, [[1, 2]] * 4, tmp_path / "online", log=lambda *_: None)
     assert seen == {"plain": [1, 8], "main": [1, 8], "main-adaptive": [1, 8], "plain-fi": [1], "main-fi": [1]}
+    # the data set's replies to batch 1's two prompts reach the comparison; a failing decoder costs nothing else
+
+    def with_outputs(timed, max_new_tokens, rounds, after_round=None):
+        done = fake_measure_servers(timed, max_new_tokens, rounds, after_round)
+        for by_conc in done.values():
+            by_conc[1]["rounds"][0]["_outputs"] = [[1, 2], [3]]
+        return done
+    monkeypatch.setattr(online, "measure_servers", with_outputs)
+    res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online2", log=lambda *_: None, stored=["a b", "x"],
+                         decode=lambda ids: " ".join("ab c"[i - 1] if i < 3 else "c" for i in ids))
+    assert res["outputs_match_stored"]["main"] == {"identical": 0.5, "common_prefix": pytest.approx(0.5)}
+    logged = []
+    res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online3", log=logged.append, stored=["a b", "x"],
+                         decode=lambda ids: 1 / 0)
+    assert "outputs_match_stored" not in res and res["servers"]["main"]["by_concurrency"][1]
+    assert any("stored replies not compared: ZeroDivisionError" in x for x in logged), logged
     p8, a8 = _measured([100.0, 300.0]), _measured([120.0, 390.0], [2.4, 1.5])
     plain = {1: p8[1], 8: {**p8[1], "output_tokens_per_s_median": 1000.0, "rounds": [{"output_tokens_per_s": 1000.0}]}}
     adaptive = {1: a8[1], 8: {**a8[1], "output_tokens_per_s_median": 950.0,
@@ -992,6 +1008,17 @@ def test_batch_1_replies_are_held_against_the_data_sets_own_replies():
     assert m["plain_outputs_identical_to_stored"] == 1.0 and m["main_common_prefix_with_stored"] < 1.0
 
 
+def test_stored_first_replies_are_read_in_the_order_asked_and_only_as_text(tmp_path):
+    convs = [{"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                                      {"role": "assistant", "content": "later"}]},
+             {"id": "b", "messages": [{"role": "user", "content": "look"},
+                                      {"role": "assistant", "content": [{"type": "image"}]}]},
+             {"id": "c", "messages": [{"role": "user", "content": "no reply"}]}]
+    (tmp_path / "regenerated.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    (tmp_path / "extraction.json").write_text(json.dumps({"regenerated_max_new_tokens": 64}))
+    assert online.first_reply_texts(tmp_path, ["c", "a", "b"], 64) == ["", "hello", ""]
+
+
 def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     """compare.plot: the online bar of a run with an interval carries it as an error bar, a run without one gets
     none (no zero-length bar at 0); the offline walk is drawn beside tau; the speedup curve carries each setting's
@@ -1030,6 +1057,9 @@ def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):
     assert fig.axes[1].texts[0].get_text().endswith("(5 steps)")
     assert "online accept length (each run's serving steps), 95 % over prompts" in \
         [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+    assert compare.serving_of({"online_serving": "(5, 1, 6)"}) == (5, 1, 6) and compare.serving_of({}) == (3, 1, 4)
+    assert compare.serving_of({"online_serving": "3,1"}) is None and compare.serving_of({"online_serving": None}) is None
+    compare.controls_plot({"online_accept_length": 2.0, "online_serving": ""}, "t")  # an odd value: labelled "?"
     fig = compare.plot([{"run": "a", "online_accept_length": 2.8, "online_serving": "5,1,6"}])
     assert [t.get_text() for t in fig.axes[2].get_legend().get_texts()] == [
         "online accept length (5 steps), 95 % over prompts"]

@@ -8,8 +8,10 @@ number of draft steps for every run that has a sweep, and by run the offline fig
 
 Offline, two figures differ in kind: tau weighs every draft position alike, while the serving walk counts round by
 round as SGLang does (``offline.walk``), so the walk is the one to hold against online accept length; the walk on
-the very replies the online batch decoded (``offline_walk_same_replies``) separates the drafter's fidelity from the
-choice of prompts (``gpu-drafter-pipeline-8``: walk on the held-out set 17 % above online, on the same replies 4.9 %).
+the stored replies of the conversations the online batch served (``offline_walk_same_replies``) separates the
+drafter's fidelity from the choice of prompts (``gpu-drafter-pipeline-8``: walk on the held-out set 17 % above
+online, on those replies 4.9 %), as far as online decoding keeps to them (``main_common_prefix_with_stored``).
+A folder is one run: every metrics.json under it is merged (a GPU record's phases, a pipeline's steps).
 """
 from __future__ import annotations
 
@@ -31,19 +33,22 @@ COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage
 
 BARS = [("offline_tau", "offline tau ({steps})"),
         ("offline_walk_accept_length", "offline walk, held out ({steps})"),
-        ("offline_walk_same_replies", "offline walk, online's replies"),
+        ("offline_walk_same_replies", "offline walk, batch 1's stored replies"),
         ("online_accept_length", "online accept length ({steps}), 95 % over prompts")]
 LEGACY_SERVING = "3,1,4"  # the serving setting of runs recorded before 05 wrote online_serving (every one used it)
 
 
-def serving_of(row: dict) -> tuple[int, ...]:
-    """(steps, topk, draft tokens) a run's main drafter was served and measured at (``online_serving``)."""
-    return tuple(int(x) for x in str(row.get("online_serving", LEGACY_SERVING)).split(","))
+def serving_of(row: dict) -> tuple[int, int, int] | None:
+    """(steps, topk, draft tokens) a run's main drafter was served and measured at (``online_serving``, "3,1,4"; a
+    run recorded before 05 wrote it was served at (3,1,4), as training evaluates tau at 3 steps); None where the
+    value is not three integers."""
+    nums = [int(x) for x in re.findall(r"\d+", str(row.get("online_serving", LEGACY_SERVING)))]
+    return (nums[0], nums[1], nums[2]) if len(nums) == 3 else None
 
 
 def _steps_label(rows) -> str:
-    steps = {serving_of(r)[0] for r in rows}
-    return f"{steps.pop()} steps" if len(steps) == 1 else "each run's serving steps"
+    steps = {(serving_of(r) or (None,))[0] for r in rows}
+    return f"{steps.pop()} steps" if len(steps) == 1 and None not in steps else "each run's serving steps"
 
 
 FIGURES = ("offline_tau", "online_accept_length", "train_acc_pos0")  # a row needs one of them
@@ -55,7 +60,7 @@ def _row(path: Path, skipped: list) -> dict | None:
     if not path.exists():
         skipped.append(f"{path}: no such file or folder (give a run folder or a metrics.json)")
         return None
-    files = [path] if path.is_file() else sorted(path.rglob("metrics.json"), key=lambda f: -len(f.parts))
+    files = [path] if path.is_file() else sorted(path.rglob("metrics.json"), key=lambda f: (-len(f.parts), str(f)))
     m: dict = {}
     for f in files:
         try:
@@ -141,7 +146,8 @@ def plot(rows: list[dict], path=None):
             lo, hi = ([e if math.isnan(e) else max(e, 0.0) for e in x] for x in (lo, hi))
             bar = b.errorbar(*zip(*sp), yerr=[lo, hi], fmt="o-", capsize=3, label=r["run"])
             if r.get("breakeven_accept_length"):  # one line per run, in its colour
-                b.annotate(f"break-even accept {r['breakeven_accept_length']:.2f} ({serving_of(r)[0]} steps)",
+                b.annotate(f"break-even accept {r['breakeven_accept_length']:.2f} "
+                           f"({(serving_of(r) or ('?',))[0]} steps)",
                            (0.02, 0.92 - 0.06 * noted),
                            xycoords="axes fraction", fontsize=7, color=bar[0].get_color())
                 noted += 1
@@ -219,7 +225,7 @@ def controls_plot(m: dict, title: str, path=None):
         ax.legend(fontsize=7)
     ax.axvline(1.0, color="grey", ls=":", lw=1)
     ax.tick_params(axis="y", labelsize=7)
-    s, t, d = serving_of(m)
+    s, t, d = serving_of(m) or ("?", "?", "?")
     ax.set_xlabel(f"online accept length in SGLang ({s} steps, topk {t}, {d} draft tokens; 95 % over prompts)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
