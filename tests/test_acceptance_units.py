@@ -1006,6 +1006,7 @@ def test_batch_1_replies_are_held_against_the_data_sets_own_replies():
                                  proof=False, concurrencies=(1,))
     m = experiment.summarize(plan, {"servers": {}, "outputs_match_stored": got}, {}, {})
     assert m["plain_outputs_identical_to_stored"] == 1.0 and m["main_common_prefix_with_stored"] < 1.0
+    assert "main_common_prefix_with_stored" in compare.table([{"run": "r", **m}]).splitlines()[0]  # 06's table
 
 
 def test_stored_first_replies_are_read_in_the_order_asked_and_only_as_text(tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage", "train_loss", "train_ttt_steps",
            "train_lm_head", "train_samples", "train_tokens", "train_acc_pos0", "baseline_acc_pos0", "offline_tau",
-           "offline_walk_accept_length", "offline_walk_same_replies", "online_serving", "online_accept_length",
+           "offline_walk_accept_length", "offline_walk_same_replies", "main_common_prefix_with_stored", "online_serving", "online_accept_length",
            "online_accept_length_ci95_low", "online_accept_length_ci95_high", "online_speedup",
            "breakeven_accept_length", "plain_ms_per_token", "online_cycle_ms", "online_best_setting", "online_best_speedup", "online_best_speedup_rounds_min",
            "online_best_speedup_rounds_max", "online_best_speedup_pooled",
