@@ -299,7 +299,7 @@ def test_resume_after_a_real_kill(tmp_path, target_path):
     """SIGKILL an extraction mid-run; the rerun completes it with every sample exactly once and verified."""
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "eagle3kit.cli", "extract", "--target", str(target_path), "--out", str(out),
-           "--max-samples", "16", "--max-tokens", "128"]
+           "--max-samples", "32", "--max-tokens", "128"]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and len(read_manifest(out)) < 3:
@@ -307,12 +307,14 @@ def test_resume_after_a_real_kill(tmp_path, target_path):
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     first = len(read_manifest(out))
-    assert 3 <= first < 12, f"kill came too late or too early ({first} samples done)"
+    assert first >= 3, f"kill came too early ({first} samples done)"  # too late: n > first below (samples come in
+    # bursts: one poll saw fewer than 3 and the kill found 12 of 16 done, 2026-12-03; 32 leave room)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout)
-    n = summary["samples"]  # 16 conversations, less those with no assistant token in 128 tokens
-    assert n > first and summary["already_done"] >= first and summary["already_done"] + summary["written"] == n
+    n = summary["samples"]  # 32 conversations, less those with no assistant token in 128 tokens
+    assert n > first, f"the kill came after the extraction ended ({first} of {n} samples done): nothing to resume"
+    assert summary["already_done"] >= first and summary["already_done"] + summary["written"] == n
     lines = (out / "manifest.jsonl").read_text().splitlines()
     keys = [json.loads(x)["key"] for x in lines if x.strip()]
     assert len(keys) == len(set(keys)) == n  # nothing lost, nothing duplicated
