@@ -73,7 +73,8 @@
 # namespace, never rerun) on a session without the drafter.
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
-# less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged). Each
+# less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged; after -13
+# the tracked tree is 44 MiB: use 16 MiB, 19 parts). Each
 # part's call took ~5 s of the lease in -12.
 # On a two-GPU machine, familytp and ddp (#14, #10's scale-out) first. The trainer's compile_layers passed its GPU test
 # (gpu-drafter-pipeline-8/tests: the eager layers' loss and gradients within 0.25 %), its trainbench A/B (-11, one
