@@ -394,13 +394,15 @@ def test_collect_merges_metrics_under_a_folder_and_skips_runs_without_figures(tm
     _write(tmp_path / "run1" / "broken" / "metrics.json", "{not json")
     _write(tmp_path / "run2" / "metrics.json", {"extract_engine": "sglang"})  # no acceptance/training figure
     _write(tmp_path / "run3" / "metrics.json", {"online_accept_length": 1.7})
+    _write(tmp_path / "run1" / "list" / "metrics.json", [1, 2])  # not a flat object: told, not merged
     skipped = []
     rows = compare.collect([tmp_path / "run1", tmp_path / "run2", tmp_path / "missing",
                             tmp_path / "run3" / "metrics.json"], skipped=skipped)
     assert [r["run"] for r in rows] == ["run1", "run3"]
     # nothing is dropped without a word: the broken file, the run without figures, the missing path
-    assert len(skipped) == 3 and "broken/metrics.json: unreadable" in skipped[0], skipped
-    assert "run2: none of offline_tau" in skipped[1] and "missing: no such file or folder" in skipped[2], skipped
+    assert len(skipped) == 4 and "broken/metrics.json: unreadable" in skipped[0], skipped
+    assert "list/metrics.json: not a flat metrics object (list)" in skipped[1], skipped
+    assert "run2: none of offline_tau" in skipped[2] and "missing: no such file or folder" in skipped[3], skipped
     r = rows[0]
     assert r["_path"] == str(tmp_path / "run1")
     assert r["train_acc_pos0"] == 0.61 and r["offline_tau"] == 2.3 and r["online_accept_length"] == 2.1
@@ -1018,6 +1020,9 @@ def test_stored_first_replies_are_read_in_the_order_asked_and_only_as_text(tmp_p
     (tmp_path / "regenerated.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
     (tmp_path / "extraction.json").write_text(json.dumps({"regenerated_max_new_tokens": 64}))
     assert online.first_reply_texts(tmp_path, ["c", "a", "b"], 64) == ["", "hello", ""]
+    (tmp_path / "extraction.json").write_text("{not json")
+    with pytest.raises(ValueError, match="no readable extraction.json"):
+        online.first_reply_texts(tmp_path, ["a"], 64)
 
 
 def test_the_plots_draw_the_intervals_where_a_run_has_them(tmp_path):

@@ -52,18 +52,24 @@ def _type_ok(value, declared: str) -> bool:
     return isinstance(value, _TYPES[declared])
 
 
+def parse_override(item: str) -> tuple[str | None, str, object]:
+    """``--set step.key=value`` -> (step, key, value); ``--set key=value`` (common) -> (None, key, value); the value
+    is parsed as YAML."""
+    if "=" not in item:
+        raise ParamsError(f"--set {item!r}: write KEY=VALUE or STEP.KEY=VALUE")
+    key, raw = item.split("=", 1)
+    step, k = key.split(".", 1) if "." in key else (None, key)
+    return step, k, yaml.safe_load(raw)
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """``--set step.key=value`` / ``--set key=value`` (common); the value is parsed as YAML."""
+    """``--set step.key=value`` / ``--set key=value`` (common), as ``parse_override`` reads them."""
     for item in overrides:
-        if "=" not in item:
-            raise ParamsError(f"--set {item!r}: write KEY=VALUE or STEP.KEY=VALUE")
-        key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw)
-        if "." in key:
-            step, k = key.split(".", 1)
+        step, k, value = parse_override(item)
+        if step is not None:
             data.setdefault("notebooks", {}).setdefault(step, {})[k] = value
         else:
-            data.setdefault("common", {})[key] = value
+            data.setdefault("common", {})[k] = value
     return data
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from eagle3kit.metrics import STEP_DIR_ENV
-from eagle3kit.params import ParamsError, Plan, apply_overrides, load_yaml, resolve
+from eagle3kit.params import ParamsError, Plan, apply_overrides, load_yaml, parse_override, resolve
 
 KERNEL_NAME = "eagle3kit"
 log = logging.getLogger("eagle3kit.run")
@@ -89,7 +89,7 @@ def plan_run(params_file: Path, notebooks_dir: Path, only=None, overrides=()) ->
     if not available:
         raise ParamsError(f"no notebooks in {notebooks_dir}: pass --notebooks DIR")
     declared = {name: declared_parameters(path) for name, path in available.items()}
-    cli_common = {o.split("=", 1)[0] for o in overrides if "." not in o.split("=", 1)[0]}
+    cli_common = {k for step, k, _ in map(parse_override, overrides) if step is None}
     return resolve(data, declared, only=only, source=str(params_file), cli_common=cli_common)
 
 

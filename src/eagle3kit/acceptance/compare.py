@@ -22,10 +22,11 @@ from pathlib import Path
 
 COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage", "train_loss", "train_ttt_steps",
            "train_lm_head", "train_samples", "train_tokens", "train_acc_pos0", "baseline_acc_pos0", "offline_tau",
-           "offline_walk_accept_length", "offline_walk_same_replies", "main_common_prefix_with_stored", "online_serving", "online_accept_length",
-           "online_accept_length_ci95_low", "online_accept_length_ci95_high", "online_speedup",
-           "breakeven_accept_length", "plain_ms_per_token", "online_cycle_ms", "online_best_setting", "online_best_speedup", "online_best_speedup_rounds_min",
-           "online_best_speedup_rounds_max", "online_best_speedup_pooled",
+           "offline_walk_accept_length", "offline_walk_same_replies", "main_common_prefix_with_stored",
+           "online_serving", "online_accept_length", "online_accept_length_ci95_low", "online_accept_length_ci95_high",
+           "online_speedup", "breakeven_accept_length", "plain_ms_per_token", "online_cycle_ms", "online_best_setting",
+           "online_best_speedup", "online_best_speedup_rounds_min", "online_best_speedup_rounds_max",
+           "online_best_speedup_pooled",
            "online_best_speedup_ci95_low", "online_best_speedup_ci95_high",
            "negative_control_accept_length",
            "negative_control_accept_cost_ci95_low", "engine_control_accept_length", "fp8_accept_rel_diff"]
@@ -88,21 +89,24 @@ def collect(paths, skipped: list | None = None) -> list[dict]:
         r = _row(p, skipped)
         if r is not None:
             rows.append(r)
-    def where(p: Path):  # a file other than metrics.json is named by its stem too (two files of one folder)
-        return (*p.parent.parts, p.stem) if p.is_file() and p.name != "metrics.json" else \
-            p.parent.parts if p.is_file() else p.parts
-    folders = [where(Path(r["_path"])) for r in rows]
-    depth = [1] * len(rows)
-    while True:
-        names = ["/".join(f[-d:]) for f, d in zip(folders, depth)]
-        longer = [i for i, n in enumerate(names) if names.count(n) > 1 and depth[i] < len(folders[i])]
-        if not longer:
-            break
-        for i in longer:
-            depth[i] += 1
-    for r, name in zip(rows, names):
+    for r, name in zip(rows, _distinct_names([Path(r["_path"]) for r in rows])):
         r["run"] = name
     return rows
+
+
+def _distinct_names(paths: list[Path]) -> list[str]:
+    """Each path's last folder (a file: its folder, and its stem unless metrics.json), with as many folders above it
+    as tell it apart from the others."""
+    parts = [(*p.parent.parts, p.stem) if p.is_file() and p.name != "metrics.json" else
+             p.parent.parts if p.is_file() else p.parts for p in paths]
+    depth = [1] * len(parts)
+    while True:
+        names = ["/".join(f[-d:]) for f, d in zip(parts, depth)]
+        longer = [i for i, n in enumerate(names) if names.count(n) > 1 and depth[i] < len(parts[i])]
+        if not longer:
+            return names
+        for i in longer:
+            depth[i] += 1
 
 
 def table(rows: list[dict]) -> str:

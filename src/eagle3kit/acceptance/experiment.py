@@ -59,7 +59,7 @@ class OnlinePlan:
         for name in [*self.variants, *self.controls]:
             if name in taken or re.fullmatch(r"steps\d+|tree\d+x\d+x\d+", name):
                 raise ValueError(f"variant or control name {name!r} is taken by another server's metrics: rename it")
-        both = set(self.variants) & set(self.controls) | {f"{v}_plain" for v in self.variants} & set(self.controls)
+        both = set(self.controls) & (set(self.variants) | {f"{v}_plain" for v in self.variants})
         if both:
             raise ValueError(f"names {sorted(both)} are given to a variant and a control (or a variant's plain server):"
                              f" their metrics would overwrite each other; rename one")
@@ -250,11 +250,7 @@ def record_partial(step, target: str | None = None) -> dict:
     if not measured:
         return {}
     proof = step / "proof.json"  # made before the rounds (notebook 05's on_proof), so a cut run has it too
-    offline = {"main": recorded}  # 05 records the walk over batch 1's replies before its servers start
-    if "offline_walk_same_replies" in recorded:
-        offline["main_first_replies"] = {f"offline_walk_accept_length_{plan.serving[0]}":
-                                         recorded["offline_walk_same_replies"]}
-    m = summarize(plan, results, json.loads(proof.read_text()) if proof.exists() else {}, offline)
+    m = summarize(plan, results, json.loads(proof.read_text()) if proof.exists() else {}, {"main": recorded})
     for k in ("online_servers_failed", "online_required_servers_failed"):  # the summary's mark of a complete run
         m.pop(k, None)
     m.update(online_partial=True, online_servers_measured=len(measured),
@@ -529,7 +525,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if m.get("online_accept_length"):
             m["offline_walk_online_rel_gap"] = (abs(m["offline_walk_accept_length"] - m["online_accept_length"])
                                                 / m["online_accept_length"])
-    same = offline.get("main_first_replies", {}).get(f"offline_walk_accept_length_{s}")
+    same = offline.get("main_first_replies", {}).get(f"offline_walk_accept_length_{s}",
+                                                      main_off.get("offline_walk_same_replies"))  # or as 05 recorded it
     if same is not None:  # the stored first replies of the conversations batch 1 served, walked
         m["offline_walk_same_replies"] = same
         if m.get("online_accept_length"):
@@ -573,7 +570,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                                       batch1=True))
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
                 m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
-                m[f"{key}_cycle_ms"] = 1000.0 * a / tps
+                m[f"{key}_cycle_ms"] = online.cycle_ms(a, tps)
     m.update(control_offline(plan.controls, offline, s))
     if "engine" in plan.controls and "engine_accept_length" in m:
         m["engine_control_accept_length"] = m["engine_accept_length"]

@@ -352,8 +352,13 @@ def summarize(plain: dict, spec: dict, conc: int) -> dict:
     if accept:
         out["breakeven_accept_length"] = breakeven(accept, out["speedup"])
         if conc == 1 and p and s:
-            out["plain_ms_per_token"], out["cycle_ms"] = 1000.0 / p, 1000.0 * accept / s
+            out["plain_ms_per_token"], out["cycle_ms"] = 1000.0 / p, cycle_ms(accept, s)
     return out
+
+
+def cycle_ms(accept: float, tokens_per_s: float) -> float:
+    """One verify cycle's milliseconds at batch 1: ``accept`` tokens per cycle at ``tokens_per_s``."""
+    return 1000.0 * accept / tokens_per_s
 
 
 def accept_on_first(measured: dict, n: int) -> float | None:
