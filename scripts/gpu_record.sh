@@ -140,7 +140,8 @@ for what in ${phases//,/ }; do
     tp) nvidia-smi topo -m >> "$rec/gpu.txt" 2>&1; env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' >> "$rec/gpu.txt"
         $stop python3 -m eagle3kit.cli run params/gpu-smollm2-tp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     deepseek|kimi)  # one of the users' family (#14; own ports: the two may run at once, see gpu_chain.sh)
-        $stop python3 -m eagle3kit.cli run params/gpu-$what-tiny.yaml --run-dir "$rec/$what" "${@:2}" 2>&1 | tee "$rec/$what.log"
+        # E3K_FAMILY_ARGS: more runner arguments, e.g. "--only 00_target 03_extract 04_train 05_acceptance"
+        $stop python3 -m eagle3kit.cli run params/gpu-$what-tiny.yaml --run-dir "$rec/$what" ${E3K_FAMILY_ARGS:-} "${@:2}" 2>&1 | tee "$rec/$what.log"
         rc=${PIPESTATUS[0]} ;;
     familytp)  # #14 on two GPUs (nvidia-h200-x2): per tiny target, 01 at TP 2 (replication per layer slot, MoE
         # layers included), then 02 and 03 under --tp 2, under expert parallelism (--ep-size 2) and under DP attention

@@ -718,6 +718,7 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     assert m["flashinfer_plain_outputs_identical_to_plain"] == 0.5 and m["engine_common_prefix_with_plain"] == 0.7
     assert m["online_servers_failed"] == 1 and m["online_required_servers_failed"] == 0
     assert m["doctor_verified_families"] == "" and m["doctor_target_model_type"] == "llama"  # no proof ran
+    assert m["doctor_target_architecture"] == "LlamaForCausalLM"  # the served class (a wrapper names its own)
 
 
 def test_a_variant_of_speculative_flags_only_is_held_against_plain_itself(tmp_path):

@@ -105,6 +105,15 @@ def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_p
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout)
     assert summary["written"] > 0 and summary["verify_problems"] == 0 and summary["layer_ids"][-1] == info.num_layers
+    # the trainer's target head (final norm, lm_head) under the wrapper's names is the language model's own, by value:
+    # 04 and 05 train and walk a drafter against it (params/{cpu,gpu}-kimi-tiny.yaml)
+    from eagle3kit.drafter.model import TargetHead
+
+    head = TargetHead.from_target(kimi)
+    with safe_open(str(kimi / "model.safetensors"), "pt") as f:
+        assert torch.equal(head.weight, f.get_tensor("language_model.lm_head.weight"))
+        assert torch.equal(head.norm_weight, f.get_tensor("language_model.model.norm.weight"))
+    assert not torch.equal(head.weight, wrapped.get_input_embeddings().weight)  # untied: the head, not the embedding
 
 
 def test_tiny_kimi_ships_the_processor_sglang_builds_on():

@@ -448,6 +448,13 @@ def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, 
     kw = {"steps": 2, "split": None, "tokens_per_batch": TINY["tokens_per_batch"]}
     first = offline.evaluate_drafter(out / "best", small_dataset, first_replies_of=ids, **kw)
     assert first["offline_rows"] == sum(rows(e["loss_spans"][:1]) for e in chosen)
+    # only as far as the online rounds decode (max_new_tokens): each first reply cut to its first k tokens
+    k = min(b - a for a, b in (e["loss_spans"][0] for e in chosen)) - 2
+    assert k >= 2, "the chosen replies are too short to cut"
+    cut = offline.evaluate_drafter(out / "best", small_dataset, first_replies_of=ids, reply_tokens=k, **kw)
+    assert cut["offline_rows"] == len(chosen) * (k - 1) < first["offline_rows"]
+    with pytest.raises(ValueError, match="reply_tokens=0"):
+        offline.evaluate_drafter(out / "best", small_dataset, first_replies_of=ids, reply_tokens=0, **kw)
     whole = offline.evaluate_drafter(out / "best", small_dataset, **kw, max_batches=None)
     with pytest.raises(ValueError, match="eagle3kit data set"):  # no conversation ids to choose by: refused
         offline.first_replies(object(), ids)

@@ -446,9 +446,11 @@ def proof_metrics(plan: OnlinePlan, proofs: dict) -> dict:
             m[f"{pre}doctor_ok"] = bool(p["doctor_ok"])
             m[f"{pre}fed_layer_ids"] = ",".join(map(str, p["fed_layer_ids"]))
             m[f"{pre}fed_layer_max_rel_err"] = max(p["fed_layer_rel_err"])
-    model_type = TargetInfo.read(resolve_target(plan.target)).model_type
+    path = resolve_target(plan.target)
+    model_type = TargetInfo.read(path).model_type  # a wrapper's language model (Kimi-K2.5: deepseek_v3)
     family = sglang_convention(model_type).removeprefix("sglang_")  # the rule SGLang applied: llama or deepseek
     m["doctor_target_model_type"] = model_type
+    m["doctor_target_architecture"] = ",".join(json.loads((path / "config.json").read_text()).get("architectures", []))
     m["doctor_verified_families"] = family if m.get("doctor_verified") and m.get("offbyone_doctor_verified", True) \
         else ""
     return m

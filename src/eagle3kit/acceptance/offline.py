@@ -16,9 +16,9 @@ import torch
 
 
 def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: int = 4096, device: str = "auto",
-                   first_replies_of=None):
+                   first_replies_of=None, reply_tokens: int | None = None):
     """A ``train.Run`` around an exported drafter and a data set split (what ``train.evaluate`` takes);
-    ``first_replies_of``: see ``evaluate_drafter``."""
+    ``first_replies_of``, ``reply_tokens``: see ``evaluate_drafter``."""
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter.export import load_sglang_export
     from eagle3kit.drafter.model import TargetHead
@@ -34,7 +34,7 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
     # 419 held-out samples on the H200, gpu-drafter-pipeline-7)
     source = D.open_source(data, split)
     if first_replies_of is not None:
-        source = first_replies(source, first_replies_of)
+        source = first_replies(source, first_replies_of, reply_tokens)
     if len(source) == 0:
         raise ValueError(f"{data}: no samples of split {split!r} to evaluate on")
     info = source.info()
@@ -52,27 +52,39 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
                extra={"aux_layer_ids": meta["capture_layer_ids"][:-1], "meta": meta})
 
 
-def first_replies(source, conv_ids):
+def first_replies(source, conv_ids, reply_tokens: int | None = None):
     """Only the samples of ``conv_ids``, each with only its first assistant reply loss-masked: what SGLang generates
     from their first user turn, i.e. from the online experiment's prompts (``online.heldout_prompts``). On data whose
-    replies the target regenerated greedily, that reply is the text the online server decodes."""
+    replies the target regenerated greedily, that reply is the text the online server decodes. ``reply_tokens``:
+    only the reply's first tokens, as many as the online rounds decode (their ``max_new_tokens``): a reply's later
+    stretch, which the server never reaches, is not walked."""
     from eagle3kit.drafter import data as D
 
     if not isinstance(source, D.CaptureSource):
         raise ValueError(f"{source}: first replies need an eagle3kit data set (its manifest's conversation ids)")
+    if reply_tokens is not None and reply_tokens < 1:
+        raise ValueError(f"reply_tokens={reply_tokens}: the online rounds' max_new_tokens, at least 1")
     wanted = set(conv_ids)
-    source.entries = [{**e, "loss_spans": e["loss_spans"][:1]} for e in source.entries if e["conv_id"] in wanted]
+
+    def first(spans):
+        a, b = spans[0]
+        return [[a, b if reply_tokens is None else min(b, a + reply_tokens)]]
+
+    source.entries = [{**e, "loss_spans": first(e["loss_spans"])} for e in source.entries
+                      if e["conv_id"] in wanted and e["loss_spans"]]
     return source
 
 
 def evaluate_drafter(drafter_dir, data, steps: int = 7, split: str = "heldout", tokens_per_batch: int = 4096,
-                     device: str = "auto", max_batches: int | None = None, first_replies_of=None) -> dict:
+                     device: str = "auto", max_batches: int | None = None, first_replies_of=None,
+                     reply_tokens: int | None = None) -> dict:
     """Chained acceptance of the exported drafter over ``split`` of ``data``: flat metrics (``offline_`` prefix).
     ``first_replies_of``: conversation ids whose first replies alone are evaluated (``first_replies``), for the
-    like-for-like comparison with the online accept length on the prompts of those conversations."""
+    like-for-like comparison with the online accept length on the prompts of those conversations; ``reply_tokens``:
+    each of those replies walked only as far as the online rounds decode (``first_replies``)."""
     from eagle3kit.drafter.train import evaluate
 
-    run = evaluation_run(drafter_dir, data, split, tokens_per_batch, device, first_replies_of)
+    run = evaluation_run(drafter_dir, data, split, tokens_per_batch, device, first_replies_of, reply_tokens)
     walk = torch.zeros(steps, 2, dtype=torch.float64)
     counts = evaluate(run, steps, max_batches=max_batches, walk=walk)
     if not counts.valid[0]:
