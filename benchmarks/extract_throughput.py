@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -136,13 +137,15 @@ def _best(values):
     return max(ok) if ok else float("nan")
 
 
-def summarize_rounds(runs: dict, rounds: int, concurrency, storages, disk_bytes_per_s: float,
+def summarize_rounds(runs: dict, rounds: int, concurrency, storages, disk_bytes_per_s: float | None,
                      bytes_per_token: dict) -> dict:
     """The ratios of one benchmark run from its passes' tokens/s per round (``runs``: pass -> one value per round;
     passes ``plain_default_conc<c>``, ``plain_conc<c>``, ``capture_<st>_conc<c>``, ``durable_<st>_conc<c>``,
     ``serial``). Each round's best concurrency per kind; ratios within a round (the same spell of the machine), then
     their median, every round and the spread ((max - min) / median). The physical limit of capture per storage is
-    min(plain prefill with SGLang's defaults, durable disk bytes/s / bytes per token)."""
+    min(plain prefill with SGLang's defaults, durable disk bytes/s / bytes per token); with no disk figure
+    (``disk_bytes_per_s`` None: a run cut before it measured the disk) the limits are left out, and
+    ``durable_ratio_vs_plain_default_<st>``, always given, bounds each from below (the limit is at most the prefill)."""
     per_round = {kind: [_best([runs[f"{kind}_conc{c}"][r] for c in concurrency]) for r in range(rounds)]
                  for kind in ("plain_default", "plain", *(f"capture_{st}" for st in storages),
                               *(f"durable_{st}" for st in storages))}
@@ -162,13 +165,44 @@ def summarize_rounds(runs: dict, rounds: int, concurrency, storages, disk_bytes_
     prefill = statistics.median(per_round["plain_default"])
     res["plain_default_tokens_per_s"] = prefill
     for st in storages:  # the physical limit: the server's prefill or the disk's durable bandwidth, whichever binds
+        ratio(f"durable_ratio_vs_plain_default_{st}", per_round[f"durable_{st}"], per_round["plain_default"])
+        ratio(f"ratio_vs_plain_default_{st}", per_round[f"capture_{st}"], per_round["plain_default"])
+        if disk_bytes_per_s is None:
+            continue
         disk_tps = disk_bytes_per_s / bytes_per_token[st]
         limits = [min(p, disk_tps) for p in per_round["plain_default"]]
         res[f"capture_limit_{st}_tokens_per_s"] = statistics.median(limits)
         res[f"capture_limit_{st}_binds"] = "disk" if disk_tps < prefill else "prefill"
         ratio(f"durable_ratio_vs_limit_{st}", per_round[f"durable_{st}"], limits)
-        ratio(f"ratio_vs_plain_default_{st}", per_round[f"capture_{st}"], per_round["plain_default"])
     return res
+
+
+_ROUND_LINE = re.compile(r"^\s*round (\d+) (plain_default|plain|serial|hooked_no_capture|capture (\w+))"
+                         r"(?: conc(\d+))?( durable)?(?: \(.*\))?: ([\d,.]+|nan)\s*$")
+
+
+def runs_from_log(lines) -> tuple[dict, int]:
+    """The passes' tokens/s per round as this benchmark printed them (``report``), and how many rounds were complete:
+    a run cut by its time limit (scripts/gpu_record.sh bench, SIGINT) keeps the rounds it finished; a round cut midway
+    is dropped (its passes ran in another spell of the machine than the missing ones would have)."""
+    runs: dict[str, dict[int, float]] = {}
+    for line in lines:
+        m = _ROUND_LINE.match(line)
+        if not m:
+            continue
+        rnd, kind, storage, conc, durable, value = m.groups()
+        if storage:
+            kind = f"{'durable' if durable else 'capture'}_{storage}"
+        name = kind if kind in ("serial",) else f"{kind}_conc{conc}"
+        runs.setdefault(name, {})[int(rnd)] = float(value.replace(",", ""))
+    if not runs:
+        raise ValueError("no round lines in the log: not this benchmark's output, or cut before its first pass")
+    rounds = 1 + max(r for v in runs.values() for r in v)
+
+    def whole(r):  # every pass any round printed, the serial pass and a capture among them
+        return all(r in v for v in runs.values()) and "serial" in runs and any(k.startswith("durable_") for k in runs)
+    complete = next((r for r in range(rounds) if not whole(r)), rounds)
+    return {k: [v[r] for r in range(complete)] for k, v in runs.items()}, complete
 
 
 def gpu(a):
@@ -217,7 +251,7 @@ def gpu(a):
         runs: dict[str, list] = {}  # pass -> tokens/s of each round
         # rounds of every pass in turn: a slow spell of the machine (seen: 20 % between leases, 15 % between two
         # servers within a run) hits every kind of pass alike instead of one; each pass is reported by its best
-        for rnd in range(a.rounds):
+        def run_round(rnd):
             profile = a.profile_seconds if rnd == a.rounds - 1 else 0
             for c in a.concurrency:
                 for name in ("plain_default", "plain"):
@@ -263,6 +297,19 @@ def gpu(a):
                     ok = [m for m in markers if m.get("status") == "ok"]
                     if ok:
                         res[f"bytes_per_token_{storage}"] = sum(m["bytes"] for m in ok) / sum(m["n_tokens"] for m in ok)
+        done = 0
+        try:
+            for rnd in range(a.rounds):
+                run_round(rnd)
+                done += 1
+        except KeyboardInterrupt:  # cut by the phase's limit (SIGINT): the complete rounds still count
+            if done == 0:
+                raise
+            print(f"interrupted in round {done}: {done} of {a.rounds} rounds complete, summarized", flush=True)
+            runs = {k: v[:done] for k, v in runs.items()}
+            res["interrupted"] = True
+        res["rounds_planned"] = a.rounds
+        a.rounds = done
         for name, values in runs.items():
             ok = [v for v in values if v == v]  # NaN: a failed pass
             res[f"{name}_tokens_per_s"] = max(ok, default=0.0)
@@ -319,6 +366,26 @@ def cpu(a):
     return {"bench_prompts": len(prompts), "bench_tokens": n, "reference_cpu_tokens_per_s": n / dt}
 
 
+def summarize_log(a) -> int:
+    """``--summarize-log``: metrics.json from a run's printed rounds (the storages and concurrencies it printed)."""
+    runs, complete = runs_from_log(Path(a.summarize_log).read_text().splitlines())
+    if complete == 0:
+        raise SystemExit(f"{a.summarize_log}: no complete round to summarize")
+    storages = sorted({k.split("_")[1] for k in runs if k.startswith("capture_")}, key=["bf16", "fp8"].index)
+    concurrency = sorted({int(k.rsplit("conc", 1)[1]) for k in runs if k.startswith("plain_default_conc")})
+    res = {"from_log": Path(a.summarize_log).name, "rounds_complete": complete}
+    res.update(summarize_rounds(runs, complete, concurrency, storages, None, {}))
+    for name, values in runs.items():
+        res[f"{name}_rounds"] = " ".join(f"{v:,.0f}" for v in values)
+        res[f"{name}_median_tokens_per_s"] = statistics.median(values)
+    for k, v in res.items():
+        print(f"{k}  {v:,.3f}" if isinstance(v, float) else f"{k}  {v}")
+    path = Path(a.out) / "metrics.json"  # beside what the writer benchmarks merged there in the same phase
+    merged = {**(json.loads(path.read_text()) if path.exists() else {}), **res}
+    path.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=["sglang", "transformers"], default="sglang")
@@ -338,9 +405,14 @@ def main(argv=None):
     p.add_argument("--disk-gb", type=float, default=8, help="GB written to measure the disk's durable bandwidth")
     p.add_argument("--profile-seconds", type=float, default=8,
                    help="py-spy profiles of the last round's last-concurrency passes, seconds (0: none)")
+    p.add_argument("--summarize-log", metavar="LOG", help="no passes: the figures of an earlier run from its printed "
+                   "rounds (bench.log), its complete rounds only (a run cut before this benchmark kept its own); no "
+                   "disk figure there, so no limits: durable_ratio_vs_plain_default_<storage> bounds them from below")
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
     a = p.parse_args(argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
+    if a.summarize_log:
+        return summarize_log(a)
     sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/pyspy.py
     os.environ["EAGLE3KIT_ALLOW_PTRACE"] = "1"
     from eagle3kit.capture.writer_process import allow_profiler

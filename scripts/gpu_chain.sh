@@ -71,6 +71,12 @@
 # gap, and the walk over batch 1's replies before its servers start); or, for #12 and #14, faults (the load test's
 # calibration spread over lengths, never rerun) beside the training, and kimi (02's prefix-cache pair in its own
 # namespace, never rerun) on a session without the drafter.
+# The twenty-first session (2026-12-03): the first machine was taken back mid-install (289 s lost), a start refused
+# (90 s); on the second, E3K_CHAIN="kimi:470 bench:380" (E3K_FAMILY_ARGS="--only 03_extract 04_train 05_acceptance",
+# E3K_BENCH_SAMPLES=600): kimi's 03 passed and 04 stopped on transformers 5.8's AutoConfig (fixed since); bench's four
+# servers start one after the other in 5.4 min and a round of 600 prompts takes ~1 min, so the limit cut round 1
+# (gpu-benchmark-early-writeback). Next: bench alone with ~720 s (3 rounds, its disk pass, the writer benchmarks),
+# and kimi's 03-05 (~450 s: 05 serves Kimi's draft under the wrapper and the doctor checks what SGLang feeds it).
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged; after -13

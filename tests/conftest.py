@@ -2,7 +2,6 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,30 +52,6 @@ def fill_disk(filler: Path, leave: int = 0) -> None:
                 f.flush()
         except OSError:
             pass
-
-
-_SESSION: dict = {}
-
-
-def pytest_sessionfinish(session, exitstatus):
-    _SESSION["exitstatus"] = int(exitstatus)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
-    """Leave with pytest's own exit status, skipping the interpreter's native teardown.
-
-    About one full run in three (on this 2-core machine) aborted after the summary was printed, every test passed:
-    "terminate called without an active exception", exit 134. With PYTHONFAULTHANDLER=1 the abort shows only the
-    main thread, no Python frame: a native thread pool destroyed at exit while its worker is still joinable (the
-    pattern of Arrow's pools, loaded here by `datasets` for the speculators exporter: apache/arrow#34314,
-    huggingface/datasets#7566). It is not reproducible with the exporter alone (0 of 30), so it is a teardown-order
-    race of the libraries this process has loaded, not a test result. ``EAGLE3KIT_PYTEST_NATIVE_EXIT=1`` keeps the
-    normal exit, to study it."""
-    if "exitstatus" in _SESSION and os.environ.get("EAGLE3KIT_PYTEST_NATIVE_EXIT") != "1":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_SESSION["exitstatus"])
 
 
 @pytest.fixture(scope="session")

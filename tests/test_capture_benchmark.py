@@ -56,3 +56,33 @@ def test_the_writer_benchmark_merges_under_names_of_its_own():
                  "kimi_10k_samples_gb_bf16": 924.0}
     capture_keys = {"bytes_per_token_bf16", "bytes_per_token_fp8", "storage", "hidden", "extract_storage"}
     assert not capture_keys & set(m)
+
+
+def test_a_run_cut_by_its_limit_is_summarized_from_its_complete_rounds():
+    """gpu-benchmark-cut-21 (2026-12-03): the phase's limit cut the run in round 1 of 3, before its disk was measured.
+    The printed rounds give its figures: round 1's passes are dropped (the missing ones would have run in another spell
+    of the machine), and with no disk figure there are no limits, only durable over SGLang's defaults (a lower bound of
+    durable over the limit, which is at most the prefill)."""
+    from extract_throughput import runs_from_log
+
+    log = ["target /root/x", "  round 0 plain_default conc64: 400,000", "  round 0 plain conc64: 300,000",
+           "  round 0 serial (200 random prompts): 80,000", "  round 0 hooked_no_capture conc64: 299,000",
+           "  round 0 capture bf16 conc64: 280,000", "  round 0 capture bf16 conc64 durable: 279,000",
+           "  round 0 capture fp8 conc64: 290,000", "  round 0 capture fp8 conc64 durable: 288,000",
+           "  round 1 plain_default conc64: 500,000", "  round 1 plain conc64: 310,000", "Traceback (most recent ...",
+           "KeyboardInterrupt"]
+    runs, complete = runs_from_log(log)
+    assert complete == 1 and runs["plain_default_conc64"] == [400_000.0] and runs["durable_fp8_conc64"] == [288_000.0]
+    assert runs["serial"] == [80_000.0] and runs["hooked_no_capture_conc64"] == [299_000.0]
+    r = summarize_rounds(runs, complete, [64], ["bf16", "fp8"], None, {})
+    assert r["ratio_vs_plain_default"] == pytest.approx(0.7) and r["rounds"] == 1
+    assert r["durable_ratio_vs_plain_default_bf16"] == pytest.approx(279 / 400)
+    assert r["durable_ratio_vs_plain_default_fp8"] == pytest.approx(288 / 400)
+    assert not any(k.startswith(("capture_limit", "durable_ratio_vs_limit")) for k in r)  # no disk figure: no limit
+    with_disk = summarize_rounds(runs, complete, [64], ["bf16"], 1e6, {"bf16": 5000})  # a disk figure: the limit too
+    assert with_disk["durable_ratio_vs_limit_bf16"] == pytest.approx(279_000 / 200) and with_disk[
+        "durable_ratio_vs_plain_default_bf16"] == r["durable_ratio_vs_plain_default_bf16"]
+    for cut in (2, 5):  # round 0 itself cut, before the serial pass or before any capture: nothing to summarize
+        assert runs_from_log(log[:cut])[1] == 0
+    with pytest.raises(ValueError, match="no round lines"):
+        runs_from_log(["Traceback", "KeyboardInterrupt"])

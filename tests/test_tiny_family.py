@@ -5,6 +5,7 @@ spec, extraction with the reference check, a drafter trained and exported under 
 offline acceptance)."""
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -70,7 +71,7 @@ def test_capture_steps_run_on_the_tiny_deepseek(tmp_path):
     assert m["offline_tau_3"] >= m["offline_tau_1"] >= 1.0
 
 
-def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_path):
+def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_path, monkeypatch):
     """Config layout and weight names as SGLang 0.5.14 loads kimi_k25 (its configs/kimi_k25.py and models/kimi_k25.py):
     the language model under text_config / language_model., the decoder layers where capture hooks them, and the
     reference engine runs the same network as the unwrapped DeepSeek."""
@@ -106,9 +107,26 @@ def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_p
     summary = json.loads(r.stdout)
     assert summary["written"] > 0 and summary["verify_problems"] == 0 and summary["layer_ids"][-1] == info.num_layers
     # the trainer's target head (final norm, lm_head) under the wrapper's names is the language model's own, by value:
-    # 04 and 05 train and walk a drafter against it (params/{cpu,gpu}-kimi-tiny.yaml)
-    from eagle3kit.drafter.model import TargetHead
+    # 04 and 05 train and walk a drafter against it (params/{cpu,gpu}-kimi-tiny.yaml). The transformers SGLang 0.5.14
+    # pins (5.8) does not know kimi_k25 (04 failed there on AutoConfig, gpu-family-kimi-tiny-3): neither may need it
+    import transformers
 
+    from eagle3kit.drafter.model import TargetHead, layer_config
+
+    known = transformers.AutoConfig.from_pretrained.__func__
+
+    def as_transformers_5_8(cls, path, *a, **kw):
+        if json.loads((Path(path) / "config.json").read_text())["model_type"] == "kimi_k25":
+            raise ValueError("The checkpoint you are trying to load has model type `kimi_k25` but Transformers does "
+                             "not recognize this architecture.")
+        return known(cls, path, *a, **kw)
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", classmethod(as_transformers_5_8))
+    with pytest.raises(ValueError, match="kimi_k25"):
+        transformers.AutoConfig.from_pretrained(str(kimi))
+    draft_cfg = layer_config(kimi)
+    assert (draft_cfg.hidden_size, draft_cfg.vocab_size, draft_cfg.num_hidden_layers) == (info.hidden_size, info.vocab_size, 1)
+    assert draft_cfg.rms_norm_eps == cfg["text_config"]["rms_norm_eps"]
     head = TargetHead.from_target(kimi)
     with safe_open(str(kimi / "model.safetensors"), "pt") as f:
         assert torch.equal(head.weight, f.get_tensor("language_model.lm_head.weight"))

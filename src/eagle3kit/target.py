@@ -188,6 +188,19 @@ class TargetInfo:
                    tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
 
 
+def language_model_config(path: Path):
+    """transformers' config of the target's language model. A multimodal wrapper (Kimi-K2.5) keeps it under
+    ``text_config``, and is built from there: the transformers SGLang 0.5.14 pins (5.8) does not know ``kimi_k25``
+    itself, so ``AutoConfig.from_pretrained`` on the wrapper fails there (gpu-family-kimi-tiny-3)."""
+    from transformers import AutoConfig
+
+    conf = json.loads((Path(path) / "config.json").read_text())
+    if "text_config" not in conf:
+        return AutoConfig.from_pretrained(str(path))
+    text = {k: v for k, v in conf["text_config"].items() if k != "architectures"}
+    return AutoConfig.for_model(text.pop("model_type"), **text)
+
+
 def load_model(path: Path, dtype: str = "float32", device: str = "cpu"):
     """Tokenizer and eval-mode causal LM for the reference engine."""
     import torch

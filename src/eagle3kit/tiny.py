@@ -130,14 +130,14 @@ def load_language_model(path: Path, dtype):
     """transformers' model of a wrapped target's language model (Kimi-K2.5: ``text_config`` and the weights under
     ``language_model.``), or None when ``path`` is not a wrapper this module knows."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from eagle3kit.target import language_model_config
 
     conf = json.loads((Path(path) / "config.json").read_text())
     if (conf.get("architectures") or [""])[0] != "KimiK25ForConditionalGeneration":
         return None
-    text = dict(conf["text_config"])
-    cfg = AutoConfig.for_model(text.pop("model_type"), **{k: v for k, v in text.items() if k != "architectures"})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # then every weight from the files (checked below)
+    model = AutoModelForCausalLM.from_config(language_model_config(path), dtype=dtype)  # then every weight from the files (checked below)
     state = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         state.update({k[len(KIMI_PREFIX):]: v for k, v in load_file(str(f)).items() if k.startswith(KIMI_PREFIX)})

@@ -27,10 +27,9 @@ class DrafterError(ValueError):
 
 def layer_config(target_path, num_layers: int = 1, attn_implementation: str = "sdpa"):
     """The draft decoder's transformers config: the target's geometry, ``num_layers`` layers, full attention."""
-    from transformers import AutoConfig
+    from eagle3kit.target import language_model_config
 
-    cfg = AutoConfig.from_pretrained(str(target_path))
-    cfg = copy.deepcopy(getattr(cfg, "text_config", cfg))  # multimodal wrappers keep the LM config inside
+    cfg = copy.deepcopy(language_model_config(target_path))  # a multimodal wrapper's language model (Kimi-K2.5)
     if cfg.model_type not in ("llama", "qwen3"):  # speculators' Eagle3 layer classes; SGLang serves Llama drafts
         cfg = _as_llama(cfg)
     cfg.num_hidden_layers = num_layers
