@@ -8,7 +8,8 @@
       (files in the page cache) and until ``os.sync()`` returned (durable: the bytes on disk)
   (c) the serial method used before: one request in flight, max_new_tokens 1, on a seeded random subset of the same
       prompts (the same length distribution), once per round like every other pass
-  (d) the disk: durable write bandwidth of files of a sample's size on the captures' disk, measured in the same run;
+  (d) the disk: durable write bandwidth of files of a sample's size on the captures' disk, measured in the same run
+      (first, before any server starts, so that a run cut by its time limit keeps it);
       the physical limit of capture per storage is min(plain prefill, durable disk bytes/s / bytes per token)
 Every pass runs ``--rounds`` times, in turn with the others. Ratios are taken per round (the same round's passes)
 and reported as the median, every round and their spread ((max - min) / median): ``ratio_vs_plain_default`` (page
@@ -239,6 +240,11 @@ def gpu(a):
 
     serial = dict(random.Random(a.seed).sample(sorted(prompts.items()), min(a.serial_samples, len(prompts))))
     res = {"bench_prompts": len(prompts), "bench_tokens": n_tokens}
+    # the disk first (no server yet, so nothing else writes): a run cut during its rounds keeps its limits
+    # (gpu-benchmark-early-writeback, 2026-12-03: measured last, it never ran). Files of a mean sample's bf16 size:
+    # every captured slot (aux + final) in bf16, as the writer stores them
+    sample_mb = (len(aux) + 1) * info.hidden_size * 2 * n_tokens / len(prompts) / 2**20
+    disk = measure_disk(work / "disk", gb=a.disk_gb, file_mb=sample_mb)
     try:
         for s in servers.values():
             s.start().wait_healthy()
@@ -324,8 +330,6 @@ def gpu(a):
     finally:
         for s in servers.values():
             s.stop()
-    mean_tokens = n_tokens / len(prompts)
-    disk = measure_disk(work / "disk", gb=a.disk_gb, file_mb=res.get("bytes_per_token_bf16", 4616) * mean_tokens / 2**20)
     res.update(disk)
     res.update(summarize_rounds(runs, a.rounds, a.concurrency, list(clients), disk["disk_durable_bytes_per_s"],
                                 {st: res[f"bytes_per_token_{st}"] for st in clients}))
