@@ -138,6 +138,42 @@ def _best(values):
     return max(ok) if ok else float("nan")
 
 
+def pass_figures(runs: dict) -> dict:
+    """Each pass's best, median and every round (``<pass>_tokens_per_s``, ``_median_tokens_per_s``, ``_rounds``);
+    a failed pass (NaN) is printed among the rounds but counts in neither figure."""
+    res = {}
+    for name, values in runs.items():
+        ok = [v for v in values if v == v]
+        res[f"{name}_tokens_per_s"] = max(ok, default=0.0)
+        res[f"{name}_median_tokens_per_s"] = statistics.median(ok) if ok else 0.0
+        res[f"{name}_rounds"] = " ".join(f"{v:,.0f}" for v in values)
+    return res
+
+
+def complete_rounds(run_round, rounds: int, runs: dict) -> tuple[dict, int, bool]:
+    """Runs ``run_round(r)`` for r in 0..rounds-1 (each appends its passes' figures to ``runs``). Cut by SIGINT (the
+    phase's time limit), the rounds already complete still count and the cut one is dropped (its missing passes would
+    have run in another spell of the machine); cut in the first round, nothing was measured: the interrupt goes on.
+    Returns (runs of the complete rounds, how many, whether it was cut)."""
+    done = 0
+    try:
+        for r in range(rounds):
+            run_round(r)
+            done += 1
+    except KeyboardInterrupt:
+        if done == 0:
+            raise
+        print(f"interrupted in round {done}: {done} of {rounds} rounds complete, summarized", flush=True)
+        return {k: v[:done] for k, v in runs.items()}, done, True
+    return runs, done, False
+
+
+def print_figures(res: dict) -> None:
+    width = max(map(len, res))
+    for k, v in res.items():
+        print(f"{k.ljust(width)}  {v:,.3f}" if isinstance(v, float) else f"{k.ljust(width)}  {v}")
+
+
 def summarize_rounds(runs: dict, rounds: int, concurrency, storages, disk_bytes_per_s: float | None,
                      bytes_per_token: dict) -> dict:
     """The ratios of one benchmark run from its passes' tokens/s per round (``runs``: pass -> one value per round;
@@ -194,15 +230,14 @@ def runs_from_log(lines) -> tuple[dict, int]:
         rnd, kind, storage, conc, durable, value = m.groups()
         if storage:
             kind = f"{'durable' if durable else 'capture'}_{storage}"
-        name = kind if kind in ("serial",) else f"{kind}_conc{conc}"
+        name = kind if kind == "serial" else f"{kind}_conc{conc}"
         runs.setdefault(name, {})[int(rnd)] = float(value.replace(",", ""))
     if not runs:
         raise ValueError("no round lines in the log: not this benchmark's output, or cut before its first pass")
     rounds = 1 + max(r for v in runs.values() for r in v)
-
-    def whole(r):  # every pass any round printed, the serial pass and a capture among them
-        return all(r in v for v in runs.values()) and "serial" in runs and any(k.startswith("durable_") for k in runs)
-    complete = next((r for r in range(rounds) if not whole(r)), rounds)
+    # a complete round printed every pass any round printed, the serial pass and a capture among them
+    whole = "serial" in runs and any(k.startswith("durable_") for k in runs)
+    complete = next((r for r in range(rounds) if not (whole and all(r in v for v in runs.values()))), rounds)
     return {k: [v[r] for r in range(complete)] for k, v in runs.items()}, complete
 
 
@@ -303,24 +338,9 @@ def gpu(a):
                     ok = [m for m in markers if m.get("status") == "ok"]
                     if ok:
                         res[f"bytes_per_token_{storage}"] = sum(m["bytes"] for m in ok) / sum(m["n_tokens"] for m in ok)
-        done = 0
-        try:
-            for rnd in range(a.rounds):
-                run_round(rnd)
-                done += 1
-        except KeyboardInterrupt:  # cut by the phase's limit (SIGINT): the complete rounds still count
-            if done == 0:
-                raise
-            print(f"interrupted in round {done}: {done} of {a.rounds} rounds complete, summarized", flush=True)
-            runs = {k: v[:done] for k, v in runs.items()}
-            res["interrupted"] = True
-        res["rounds_planned"] = a.rounds
-        a.rounds = done
-        for name, values in runs.items():
-            ok = [v for v in values if v == v]  # NaN: a failed pass
-            res[f"{name}_tokens_per_s"] = max(ok, default=0.0)
-            res[f"{name}_median_tokens_per_s"] = statistics.median(ok) if ok else 0.0
-            res[f"{name}_rounds"] = " ".join(f"{v:,.0f}" for v in values)
+        runs, rounds, cut = complete_rounds(run_round, a.rounds, runs)  # cut by the phase's limit: those complete
+        res.update(rounds_planned=a.rounds, **({"interrupted": True} if cut else {}))
+        res.update(pass_figures(runs))
         best_c = max(a.concurrency, key=lambda c: res[f"plain_conc{c}_tokens_per_s"])
         res["plain_prefill_tokens_per_s"] = res[f"plain_conc{best_c}_tokens_per_s"]
         best = {st: max(res[f"capture_{st}_conc{c}_tokens_per_s"] for c in a.concurrency) for st in clients}
@@ -331,7 +351,7 @@ def gpu(a):
         for s in servers.values():
             s.stop()
     res.update(disk)
-    res.update(summarize_rounds(runs, a.rounds, a.concurrency, list(clients), disk["disk_durable_bytes_per_s"],
+    res.update(summarize_rounds(runs, rounds, a.concurrency, list(clients), disk["disk_durable_bytes_per_s"],
                                 {st: res[f"bytes_per_token_{st}"] for st in clients}))
     for storage in ("bf16", "fp8"):
         if f"bytes_per_token_{storage}" not in res:  # storage not served in this run: its files' size, measured
@@ -379,11 +399,8 @@ def summarize_log(a) -> int:
     concurrency = sorted({int(k.rsplit("conc", 1)[1]) for k in runs if k.startswith("plain_default_conc")})
     res = {"from_log": Path(a.summarize_log).name, "rounds_complete": complete}
     res.update(summarize_rounds(runs, complete, concurrency, storages, None, {}))
-    for name, values in runs.items():
-        res[f"{name}_rounds"] = " ".join(f"{v:,.0f}" for v in values)
-        res[f"{name}_median_tokens_per_s"] = statistics.median(values)
-    for k, v in res.items():
-        print(f"{k}  {v:,.3f}" if isinstance(v, float) else f"{k}  {v}")
+    res.update(pass_figures(runs))
+    print_figures(res)
     path = Path(a.out) / "metrics.json"  # beside what the writer benchmarks merged there in the same phase
     merged = {**(json.loads(path.read_text()) if path.exists() else {}), **res}
     path.write_text(json.dumps(merged, indent=1, sort_keys=True))
@@ -423,9 +440,7 @@ def main(argv=None):
 
     allow_profiler()  # py-spy, our child, may attach to this client too
     res = gpu(a) if a.engine == "sglang" else cpu(a)
-    width = max(map(len, res))
-    for k, v in res.items():
-        print(f"{k.ljust(width)}  {v:,.3f}" if isinstance(v, float) else f"{k.ljust(width)}  {v}")
+    print_figures(res)
     (Path(a.out) / "metrics.json").write_text(json.dumps(res, indent=1, sort_keys=True))
     return 0
 

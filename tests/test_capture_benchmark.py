@@ -86,3 +86,39 @@ def test_a_run_cut_by_its_limit_is_summarized_from_its_complete_rounds():
         assert runs_from_log(log[:cut])[1] == 0
     with pytest.raises(ValueError, match="no round lines"):
         runs_from_log(["Traceback", "KeyboardInterrupt"])
+
+
+def test_the_rounds_cut_by_sigint_keep_the_complete_ones():
+    """The benchmark's own loop (complete_rounds): SIGINT in round 1 of 3 keeps round 0 whole and drops round 1's
+    passes already run; SIGINT in round 0 measured nothing and goes on; an uncut run keeps every round."""
+    from extract_throughput import complete_rounds
+
+    def rounds_cut_at(cut_round, cut_after_passes):
+        runs: dict = {}
+
+        def run_round(r):
+            for i, name in enumerate(("plain_default_conc64", "capture_bf16_conc64", "serial")):
+                if r == cut_round and i == cut_after_passes:
+                    raise KeyboardInterrupt
+                runs.setdefault(name, []).append(100.0 * (r + 1) + i)
+        return run_round, runs
+
+    run_round, runs = rounds_cut_at(1, 2)
+    kept, n, cut = complete_rounds(run_round, 3, runs)
+    assert (n, cut) == (1, True) and kept == {"plain_default_conc64": [100.0], "capture_bf16_conc64": [101.0],
+                                              "serial": [102.0]}
+    run_round, runs = rounds_cut_at(0, 1)
+    with pytest.raises(KeyboardInterrupt):
+        complete_rounds(run_round, 3, runs)
+    run_round, runs = rounds_cut_at(None, None)
+    kept, n, cut = complete_rounds(run_round, 3, runs)
+    assert (n, cut) == (3, False) and kept["serial"] == [102.0, 202.0, 302.0]
+
+
+def test_each_pass_is_reported_by_its_best_median_and_rounds_a_failed_one_counting_in_neither():
+    from extract_throughput import pass_figures
+
+    f = pass_figures({"capture_bf16_conc64": [300.0, float("nan"), 200.0], "serial": [float("nan")]})
+    assert f["capture_bf16_conc64_tokens_per_s"] == 300.0 and f["capture_bf16_conc64_median_tokens_per_s"] == 250.0
+    assert f["capture_bf16_conc64_rounds"] == "300 nan 200"
+    assert f["serial_tokens_per_s"] == 0.0 == f["serial_median_tokens_per_s"]

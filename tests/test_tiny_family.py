@@ -93,6 +93,8 @@ def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_p
     assert decoder_layer_template(kimi) == "language_model.model.layers.{}"
     assert decoder_layer_template(deepseek_tiny) == "model.layers.{}"
     info = TargetInfo.read(kimi)
+    # the served class is the wrapper's, the layer geometry and the layer-id rule its language model's
+    assert (info.architecture, info.model_type) == ("KimiK25ForConditionalGeneration", "deepseek_v3")
     assert (info.num_layers, info.hidden_size) == (cfg["text_config"]["num_hidden_layers"], cfg["text_config"]["hidden_size"])
     tok, wrapped = load_model(kimi)
     _, plain = load_model(deepseek_tiny)

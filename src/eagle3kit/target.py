@@ -176,16 +176,18 @@ class TargetInfo:
     num_heads: int
     num_kv_heads: int
     tie_word_embeddings: bool
+    architecture: str = ""  # the served class (a wrapper's own: KimiK25ForConditionalGeneration)
 
     @classmethod
     def read(cls, path: Path) -> "TargetInfo":
-        c = json.loads((Path(path) / "config.json").read_text())
-        c = c.get("text_config", c)  # multimodal wrappers (Kimi-K2.5) keep the LM config inside
+        outer = json.loads((Path(path) / "config.json").read_text())
+        c = outer.get("text_config", outer)  # multimodal wrappers (Kimi-K2.5) keep the LM config inside
         return cls(path=Path(path), model_type=c.get("model_type", "?"), num_layers=c["num_hidden_layers"],
                    hidden_size=c["hidden_size"], vocab_size=c["vocab_size"],
                    num_heads=c.get("num_attention_heads", 0),
                    num_kv_heads=c.get("num_key_value_heads", c.get("num_attention_heads", 0)),
-                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                   architecture=",".join(outer.get("architectures") or []))
 
 
 def language_model_config(path: Path):

@@ -446,11 +446,10 @@ def proof_metrics(plan: OnlinePlan, proofs: dict) -> dict:
             m[f"{pre}doctor_ok"] = bool(p["doctor_ok"])
             m[f"{pre}fed_layer_ids"] = ",".join(map(str, p["fed_layer_ids"]))
             m[f"{pre}fed_layer_max_rel_err"] = max(p["fed_layer_rel_err"])
-    path = resolve_target(plan.target)
-    model_type = TargetInfo.read(path).model_type  # a wrapper's language model (Kimi-K2.5: deepseek_v3)
-    family = sglang_convention(model_type).removeprefix("sglang_")  # the rule SGLang applied: llama or deepseek
-    m["doctor_target_model_type"] = model_type
-    m["doctor_target_architecture"] = ",".join(json.loads((path / "config.json").read_text()).get("architectures", []))
+    info = TargetInfo.read(resolve_target(plan.target))  # model_type: a wrapper's language model's (Kimi: deepseek_v3)
+    family = sglang_convention(info.model_type).removeprefix("sglang_")  # the rule SGLang applied: llama or deepseek
+    m["doctor_target_model_type"] = info.model_type
+    m["doctor_target_architecture"] = info.architecture
     m["doctor_verified_families"] = family if m.get("doctor_verified") and m.get("offbyone_doctor_verified", True) \
         else ""
     return m
