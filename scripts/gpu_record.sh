@@ -171,13 +171,16 @@ for what in ${phases//,/ }; do
     bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" --work /root/bench-work --rounds ${E3K_BENCH_ROUNDS:-3} --samples ${E3K_BENCH_SAMPLES:-1500} \
           --profile-seconds 0 "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"
         rc=${PIPESTATUS[0]}; rm -rf /root/bench-work
-        for s in bf16 fp8; do  # the writer alone at Kimi-K2.5's geometry, merged into the same metrics.json
-          python3 benchmarks/writer_throughput.py --kimi --forwards ${E3K_WB_FORWARDS:-40} --storage $s --dir /root/wb \
-            --out "$rec" 2>&1 | tee -a "$rec/writer.log"
-        done
-        # the early-writeback lever, on and off in turn (its own metrics.json: the flag changes every figure above)
-        python3 benchmarks/writeback_ab.py --out "$rec/writeback" --rounds ${E3K_WB_ROUNDS:-4} --kimi \
-          --forwards ${E3K_WB_FORWARDS:-40} --storage bf16 --dir /root/wb 2>&1 | tee "$rec/writeback.log" ;;
+        # E3K_BENCH_WRITERS=0: the capture benchmark alone (the writer's figures below recorded before at the same writer)
+        if [ "${E3K_BENCH_WRITERS:-1}" != 0 ]; then
+          for s in bf16 fp8; do  # the writer alone at Kimi-K2.5's geometry, merged into the same metrics.json
+            python3 benchmarks/writer_throughput.py --kimi --forwards ${E3K_WB_FORWARDS:-40} --storage $s --dir /root/wb \
+              --out "$rec" 2>&1 | tee -a "$rec/writer.log"
+          done
+          # the early-writeback lever, on and off in turn (its own metrics.json: the flag changes every figure above)
+          python3 benchmarks/writeback_ab.py --out "$rec/writeback" --rounds ${E3K_WB_ROUNDS:-4} --kimi \
+            --forwards ${E3K_WB_FORWARDS:-40} --storage bf16 --dir /root/wb 2>&1 | tee "$rec/writeback.log"
+        fi ;;
     tests) E3K_TEST_OUT="$rec" $stop python3 -m pytest -m gpu -v -p no:cacheprovider ${E3K_TESTS_K:+-k "$E3K_TESTS_K"} tests 2>&1 \
         | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     faults) rc=0  # the bad-input trial (CPU work, minutes) beside the GPU tests; both merge into the phase's metrics.json
