@@ -113,7 +113,8 @@ def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_p
     # pins (5.8) does not know kimi_k25 (04 failed there on AutoConfig, gpu-family-kimi-tiny-3): neither may need it
     import transformers
 
-    from eagle3kit.drafter.model import TargetHead, layer_config
+    from eagle3kit.drafter.model import TargetHead, build, layer_config
+    from eagle3kit.drafter.vocab import DraftVocab
 
     known = transformers.AutoConfig.from_pretrained.__func__
 
@@ -130,6 +131,10 @@ def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_p
     assert (draft_cfg.hidden_size, draft_cfg.vocab_size, draft_cfg.num_hidden_layers) == (info.hidden_size, info.vocab_size, 1)
     assert draft_cfg.rms_norm_eps == cfg["text_config"]["rms_norm_eps"]
     head = TargetHead.from_target(kimi)
+    ids = torch.arange(0, info.vocab_size, 3)
+    drafter = build(kimi, [1, 2, info.num_layers], DraftVocab(ids, info.vocab_size))  # speculators' loader asks AutoConfig
+    assert torch.equal(drafter.embed_tokens.weight, wrapped.get_input_embeddings().weight)
+    assert torch.equal(drafter.lm_head.weight, head.weight[ids].to(drafter.lm_head.weight.dtype))
     with safe_open(str(kimi / "model.safetensors"), "pt") as f:
         assert torch.equal(head.weight, f.get_tensor("language_model.lm_head.weight"))
         assert torch.equal(head.norm_weight, f.get_tensor("language_model.model.norm.weight"))
