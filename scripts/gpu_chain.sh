@@ -77,6 +77,9 @@
 # servers start one after the other in 5.4 min and a round of 600 prompts takes ~1 min, so the limit cut round 1
 # (gpu-benchmark-early-writeback). Next: bench alone with ~720 s (3 rounds, its disk pass, the writer benchmarks),
 # and kimi's 03-05 (~450 s: 05 serves Kimi's draft under the wrapper and the doctor checks what SGLang feeds it).
+# The twenty-second session (2026-12-03): E3K_CHAIN="kimi:470 bench:660" with E3K_BENCH_WRITERS=0: bench complete in
+# 436 s (3 rounds of 584 prompts with its disk pass; gpu-benchmark-three-rounds); kimi stopped in 04 on speculators'
+# own AutoConfig call (fixed); on a new machine E3K_CHAIN="kimi:420": 03-05 complete in 417 s (gpu-family-kimi-tiny-5).
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged; after -13
