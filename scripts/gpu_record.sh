@@ -168,8 +168,11 @@ for what in ${phases//,/ }; do
           --set eval_every=$steps --set grad_accum=2 --set progress=false > "$rec/ddp1.log" 2>&1 || rc=1
         for d in ddp1 ddp2; do mkdir -p "$rec/$d" && (cd "$W/$d" 2>/dev/null && find . -type f ! -name '*.safetensors' ! -name '*.pt' -print0 | xargs -0 -r cp --parents -t "$rec/$d"); done ;;
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
-    bench) $stop python3 benchmarks/extract_throughput.py --out "$rec" --work /root/bench-work --rounds ${E3K_BENCH_ROUNDS:-3} --samples ${E3K_BENCH_SAMPLES:-1500} \
-          --profile-seconds 0 "${@:2}" --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"
+    bench) # E3K_BENCH_TARGET: another target (embedded:kimi-k25-tiny: SGLang's defaults prefill it without a graph, as
+        # Kimi-K2.5 itself; E3K_BENCH_SERVER_ARGS="--trust-remote-code" with it)
+        $stop python3 benchmarks/extract_throughput.py --out "$rec" --work /root/bench-work --rounds ${E3K_BENCH_ROUNDS:-3} --samples ${E3K_BENCH_SAMPLES:-1500} \
+          ${E3K_BENCH_TARGET:+--target $E3K_BENCH_TARGET} --profile-seconds 0 "${@:2}" \
+          --server-args --attention-backend triton --sampling-backend pytorch ${E3K_BENCH_SERVER_ARGS:-} 2>&1 | tee "$rec/bench.log"
         rc=${PIPESTATUS[0]}; rm -rf /root/bench-work
         # E3K_BENCH_WRITERS=0: the capture benchmark alone (the writer's figures below recorded before at the same writer)
         if [ "${E3K_BENCH_WRITERS:-1}" != 0 ]; then
