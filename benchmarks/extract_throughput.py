@@ -277,8 +277,10 @@ def gpu(a):
     res = {"bench_prompts": len(prompts), "bench_tokens": n_tokens}
     # the disk first (no server yet, so nothing else writes): a run cut during its rounds keeps its limits
     # (gpu-benchmark-early-writeback, 2026-12-03: measured last, it never ran). Files of a mean sample's bf16 size:
-    # every captured slot (aux + final) in bf16, as the writer stores them
-    sample_mb = (len(aux) + 1) * info.hidden_size * 2 * n_tokens / len(prompts) / 2**20
+    # every captured slot (aux + final) in bf16 and the token ids, as the writer stores them
+    from eagle3kit.extract import bytes_per_token
+
+    sample_mb = bytes_per_token(len(aux) + 1, info.hidden_size, "bf16") * n_tokens / len(prompts) / 2**20
     disk = measure_disk(work / "disk", gb=a.disk_gb, file_mb=sample_mb)
     try:
         for s in servers.values():

@@ -74,24 +74,22 @@ def build(target_path, aux_layer_ids, vocab, num_layers: int = 1, fc_norm: bool 
     model = Eagle3DraftModel(config)
     if vocab.size != vocab.vocab_size:
         model.load_vocab_mappings(vocab.t2d, vocab.d2t)
-    _load_target_weights(model, tl.hidden_size)
+    _load_target_weights(model)
     model.lm_head.weight.requires_grad_(train_lm_head)
     check_servable(model.config)
     return model
 
 
-def _load_target_weights(model, hidden_size: int) -> None:
+def _load_target_weights(model) -> None:
     """What ``Eagle3DraftModel.load_verifier_weights`` does (embeddings, ``lm_head[t2d]``, the final norm from the
-    target's files; the embeddings' trainability; the hidden-size check) without its
-    ``AutoConfig.from_pretrained(target)``, which the transformers SGLang 0.5.14 pins (5.8) refuses for a kimi_k25
-    wrapper (04 failed there, gpu-family-kimi-tiny-4): the size checked is the language model's, read by
-    ``layer_config`` as eagle3kit reads every target."""
+    target's files; the embeddings' trainability) without its ``AutoConfig.from_pretrained(target)``, which the
+    transformers SGLang 0.5.14 pins (5.8) refuses for a kimi_k25 wrapper (04 failed there, gpu-family-kimi-tiny-4).
+    That call served only a hidden-size check, which cannot fail here: ``layer_config`` sizes the draft from the
+    target's own language model."""
     from speculators.models.eagle3 import Eagle3DraftModel
 
     super(Eagle3DraftModel, model).load_verifier_weights()  # the base loader: load_model_layers on the target's files
     model.embed_tokens.weight.requires_grad_(model.config.embed_requires_grad)
-    if model.hidden_size != hidden_size:
-        raise DrafterError(f"the target's hidden size {hidden_size} differs from the draft's {model.hidden_size}")
 
 
 def _quiet_speculators():
