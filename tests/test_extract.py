@@ -245,6 +245,25 @@ def test_exporters_speculators_and_specforge(tmp_path, extracted, samples):
         to_specforge(out, tmp_path / "sf", split="all")
 
 
+def test_a_post_norm_final_slot_goes_to_specforge_only(tmp_path, extracted):
+    """A data set whose last slot is the final norm's output (``final_slot: post_norm``, captured inside SGLang's
+    prefill graph): SpecForge's ``hidden_state`` is that slot; speculators (which norms the slot itself) refuses it."""
+    from eagle3kit.export import to_specforge, to_speculators
+    from eagle3kit.store import derive
+
+    out, _ = extracted
+    post = tmp_path / "post"
+    derive(out, post, final_slot="post_norm")
+    with pytest.raises(StoreError, match="speculators applies the target's norm to it again"):
+        to_speculators(post, tmp_path / "spec", split="all")
+    assert not (tmp_path / "spec").exists() or not any((tmp_path / "spec").iterdir())
+    to_specforge(post, tmp_path / "sf", split="all")
+    to_specforge(out, tmp_path / "sf0", split="all")  # from the final_normed tensor of the pre-norm data set
+    a = torch.load(tmp_path / "sf" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "sf0" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
+    assert torch.equal(a["hidden_state"], b["hidden_state"]) and torch.equal(a["aux_hidden_state"], b["aux_hidden_state"])
+
+
 def test_exporters_check_values_and_leave_out_a_corrupt_sample(tmp_path, extracted, samples):
     """By value: SpecForge's aux slots in layer order and its post-norm state, speculators' states aligned with
     their row's ids. A sample whose file was bit-flipped after the extraction is left out and reported, never

@@ -65,3 +65,59 @@ def test_prefix_cache_hit_is_reported_incomplete(server, tokenizer):
     second = client.capture("second", ids, isolate_cache=False)
     assert second["status"] == "incomplete" and "prefix-cache hit" in second["reason"]
     assert second["meta_info"]["cached_tokens"] > 0
+
+
+def test_prefill_graph_capture_matches_reference(tmp_path_factory, tokenizer, target_path):
+    """Capture with SGLang's prefill CUDA graph on (``prefill_graph``: the plugin switches SGLang's EAGLE-3 aux states
+    on before the graphs are captured; the end hook reads them after each replay): 16 prompts in flight, chunked,
+    every token of every slot within its bf16-calibrated bound of the reference, the last slot against the
+    reference's post-norm state. The graph really ran (SGLang's own log: "cuda graph: True" on prefill batches), and
+    the check rejects the pre-norm state in the last slot and a neighbouring layer."""
+    import re
+
+    from eagle3kit.capture.client import CaptureClient
+    from eagle3kit.capture.format import read_sample
+    from eagle3kit.capture.reference import ReferenceEngine
+    from eagle3kit.capture.server import capture_server
+    from eagle3kit.spec import (all_reference_states, calibrate_bounds, calibration_set, check_sample,
+                                compare_to_reference, probe_prompts)
+
+    d = tmp_path_factory.mktemp("graph")
+    # beside the module's server (alive until the module ends): a --mem-fraction-static counts what it holds
+    args = SERVER_ARGS + ["--chunked-prefill-size", "128", "--mem-fraction-static", "0.6"]
+    with capture_server(target_path, d / "captures", [2, 15, 27], port=30910, prefill_graph=True, extra_args=args,
+                        log_path=d / "sglang.log") as s:
+        prompts = probe_prompts(tokenizer, 16, 32, 400, seed=5)
+        client = CaptureClient(s.url, s.capture["capture_dir"])
+        markers = client.capture_many(prompts.items(), concurrency=16)
+        status = client.status()["rank0"]
+    log = (d / "sglang.log").read_text(errors="replace")
+    graphed = len(re.findall(r"Prefill batch.*cuda graph: True", log))
+    eager = len(re.findall(r"Prefill batch.*cuda graph: False", log))
+    out = os.environ.get("E3K_TEST_OUT")
+    if out:  # the server's log beside the test's record
+        import shutil
+
+        shutil.copy(d / "sglang.log", os.path.join(out, "sglang-prefill-graph.log"))
+    print(f"prefill batches with the graph {graphed}, without {eager}; status {status['counts']}")
+    assert all(m["status"] == "ok" for m in markers), [m for m in markers if m["status"] != "ok"][:3]
+    assert any(m["chunks"] > 1 for m in markers)
+    assert graphed > 0 and status["counts"].get("errors", 0) == 0, status.get("last_error")
+    ref = ReferenceEngine(target_path, [2, 15, 27], final_normed=True, device="cuda")
+    bounds = calibrate_bounds(ref, calibration_set(prompts, 8))
+    rows = compare_to_reference(s.capture["capture_dir"], prompts, ref, bounds)
+    print(f"bounds {bounds}; worst token per slot "
+          f"{ {layer: max(r['token_worst_err'] for r in rows if r['layer_id'] == layer) for layer in (2, 15, 27, 30)} }")
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]][:3]
+    # what the check rejects on these files: the pre-norm final state where the post-norm one is, a neighbour layer
+    key, ids = next(iter(prompts.items()))
+    cap, meta = read_sample(d / "captures" / f"{key}.rank0.safetensors")
+    assert meta["final_slot"] == "post_norm"
+    r0 = ref.hidden(ids)  # its last slot: the pre-norm state
+    assert not [r for r in check_sample(cap, ids, r0, meta["layer_ids"], bounds) if r["layer_id"] == 30][0]["ok"]
+    shifted = cap["hidden_states"].clone()
+    shifted[:, 0] = all_reference_states(ref, ids)["input_of_layer 3"].to(shifted.dtype)
+    from eagle3kit.spec import final_post_norm
+
+    r_post, b_post = final_post_norm(r0, bounds, meta["layer_ids"])
+    assert not check_sample({**cap, "hidden_states": shifted}, ids, r_post, meta["layer_ids"], b_post)[0]["ok"]

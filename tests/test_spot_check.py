@@ -56,6 +56,23 @@ def test_wrong_states_with_good_checksums_fail(small_dataset, tmp_path, target_p
     assert "2 failed" in capsys.readouterr().out
 
 
+def test_a_post_norm_final_slot_is_checked_against_the_references_normed_state(small_dataset, tmp_path, capsys):
+    """A data set recorded ``final_slot: post_norm`` (captured inside SGLang's prefill graph) passes when its last
+    slot is the norm's output, and fails when it holds the pre-norm state under that record."""
+    from eagle3kit.store import derive
+
+    post = tmp_path / "post"
+    derive(small_dataset, post, final_slot="post_norm")
+    assert cli.main(["verify", str(post), "--reference", "2"]) == 0
+    lying = tmp_path / "lying"
+    shutil.copytree(small_dataset, lying)
+    s = json.loads((lying / "extraction.json").read_text())
+    (lying / "extraction.json").write_text(json.dumps({**s, "final_slot": "post_norm"}))
+    capsys.readouterr()
+    assert cli.main(["verify", str(lying), "--reference", "2"]) == 1
+    assert "2 failed" in capsys.readouterr().out
+
+
 def test_files_of_other_layers_than_the_settings_fail_plain_verify(small_dataset, tmp_path, capsys):
     bad = tmp_path / "relabelled"
     shutil.copytree(small_dataset, bad)

@@ -2,6 +2,7 @@
 same global batch, the final-slot check, refusals, and the export loaded back."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,9 +121,53 @@ def test_final_slot_must_be_pre_norm(small_dataset, tmp_path, target_path):
                                rtol=0.02, atol=0.05)
     post = tmp_path / "post"
     derive(small_dataset, post, final_slot="post_norm")
+    unrecorded = tmp_path / "unrecorded"  # the same states from an engine that does not say what its last slot is
+    shutil.copytree(post, unrecorded)
+    settings = json.loads((unrecorded / "extraction.json").read_text())
+    (unrecorded / "extraction.json").write_text(json.dumps({k: v for k, v in settings.items() if k != "final_slot"}))
     with pytest.raises(TrainError, match="post-norm"):
-        train(TrainConfig(data=str(post), out_dir=str(tmp_path / "t"), max_steps=1, **TINY))
-    assert not check_data(post, str(target_path)).ok and check_data(small_dataset, str(target_path)).ok
+        train(TrainConfig(data=str(unrecorded), out_dir=str(tmp_path / "t"), max_steps=1, **TINY))
+    assert not check_data(unrecorded, str(target_path)).ok and check_data(small_dataset, str(target_path)).ok
+    assert check_data(post, str(target_path)).ok  # recorded post-norm (a capture inside SGLang's prefill graph)
+
+
+def test_a_recorded_post_norm_slot_gives_the_teacher_the_targets_own_logits(small_dataset, tmp_path, target_path):
+    """Data captured inside SGLang's prefill graph holds the final norm's output in its last slot, recorded as
+    ``final_slot: post_norm``: the teacher takes it as it is, and its logits are those of the pre-norm data normed
+    (normed again they are not). A record that the values contradict is refused."""
+    from eagle3kit.drafter import data as D
+    from eagle3kit.drafter.model import TargetHead
+    from eagle3kit.drafter.train import _check_final_slot
+    from eagle3kit.store import derive
+
+    post = tmp_path / "post"
+    derive(small_dataset, post, final_slot="post_norm")
+    head = TargetHead.from_target(target_path).placed("cpu")  # float32 logits
+    cfg = TrainConfig(data=str(post), out_dir=str(tmp_path / "t"), **TINY)
+    assert _check_final_slot(cfg, D.CaptureSource(post, "train"), head) is True
+    assert _check_final_slot(TrainConfig(data=str(small_dataset), out_dir="", **TINY),
+                             D.CaptureSource(small_dataset, "train"), head) is False
+    a, b = D.CaptureSource(small_dataset, None).load(0), D.CaptureSource(post, None).load(0)
+    want = head.logits(a["hidden_states"][:, -1].float())
+    head.final_normed = True
+    got = head.logits(b["hidden_states"][:, -1].float())
+    assert (want.argmax(-1) == got.argmax(-1)).float().mean() > 0.98
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.05  # both slots stored in bf16
+    head.final_normed = False  # the mistake: normed again
+    again = head.logits(b["hidden_states"][:, -1].float())
+    assert ((again - want).norm(dim=-1) / want.norm(dim=-1)).median() > 0.2
+    lying = tmp_path / "lying"  # says post-norm, holds the pre-norm states
+    shutil.copytree(small_dataset, lying)
+    settings = json.loads((lying / "extraction.json").read_text())
+    (lying / "extraction.json").write_text(json.dumps({**settings, "final_slot": "post_norm"}))
+    with pytest.raises(TrainError, match="not the target's final norm outputs"):
+        _check_final_slot(TrainConfig(data=str(lying), out_dir="", **TINY), D.CaptureSource(lying, "train"), head)
+    # trained end to end on it, the export records a teacher that saw the target's logits: the doctor passes it
+    from eagle3kit.doctor import diagnose
+
+    train(TrainConfig(data=str(post), out_dir=str(tmp_path / "t"), max_steps=1, **TINY))
+    meta = json.loads((tmp_path / "t" / "best" / "eagle3kit.json").read_text())
+    assert meta["final_pre_norm"] is False and meta["teacher_exact"] is True and diagnose(tmp_path / "t" / "best").ok
 
 
 def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_path):

@@ -19,7 +19,7 @@ def _extract(a):
                              regenerate_max_new_tokens=a.regenerate_max_new_tokens,
                              regenerate_minutes=a.regenerate_minutes, regenerate_servers=a.regenerate_servers,
                              reference_device=a.reference_device, reference_dtype=a.reference_dtype, port=a.port,
-                             reference_batch_tokens=a.reference_batch_tokens)
+                             reference_batch_tokens=a.reference_batch_tokens, prefill_graph=a.prefill_graph)
     failures = summary.pop("failures_list", [])
     print(json.dumps(summary, indent=1, default=str))
     for f in failures[:5]:
@@ -182,6 +182,9 @@ def main(argv=None) -> int:
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--rank", type=int, default=0)
     e.add_argument("--final-normed", action="store_true", help="also store the normed final state (SpecForge)")
+    e.add_argument("--prefill-graph", action="store_true",
+                   help="sglang engine: keep SGLang's prefill CUDA graph on and capture through its EAGLE-3 aux states "
+                        "(an SGLang plugin, installed with eagle3kit); the last slot is then the final norm's output")
     e.add_argument("--regenerate", action="store_true",
                    help="replace assistant turns with the target's own greedy replies first (kept for resumes)")
     e.add_argument("--regenerate-max-new-tokens", type=int, default=256)

@@ -31,7 +31,10 @@ def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
     capture = meta.get("capture_layer_ids")
     if not capture:
         raise ValueError(f"{drafter_dir}: eagle3kit.json does not record the training layers: pass --capture-layers")
-    d = check(capture, cfg, info.model_type, info.num_layers, final_is_pre_norm=bool(meta.get("final_pre_norm", True)))
+    # teacher_exact: the teacher saw the target's logits (a recorded post-norm slot taken as it is counts); older
+    # exports only say whether the slot was pre-norm
+    exact = meta.get("teacher_exact", meta.get("final_pre_norm", True))
+    d = check(capture, cfg, info.model_type, info.num_layers, final_is_pre_norm=bool(exact))
     if data:
         d.findings.extend(check_data(data, target, probe).findings)
     return d
@@ -64,7 +67,12 @@ def check_data(data, target, probe: int = 4) -> Diagnosis:
     d = Diagnosis()
     post, share, recorded = final_slot(open_source(data, None), TargetHead.from_target(resolve_target(target)).norm_weight,
                                        probe)
-    if post:
+    if recorded is False and share > 0.5:
+        d.findings.append(Finding("ok", f"{data}: the final slot holds the final norm's output, as recorded "
+                                  f"(final_slot post_norm: a capture inside SGLang's prefill graph; {share:.0%} of "
+                                  f"probed tokens look normed); eagle3kit's teacher takes it as it is (speculators' "
+                                  f"own trainer and its export would apply the norm again)"))
+    elif post:
         d.findings.append(Finding("error", f"{data}: the final slot holds post-norm states ({share:.0%} of probed tokens "
                                   f"have RMS(state / norm weight) = 1; recorded as "
                                   f"{'post-norm' if recorded is False else 'pre-norm'}); a trainer that applies the "

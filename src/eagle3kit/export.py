@@ -10,7 +10,10 @@ Both exporters check every sample against the manifest (file checksum, token ids
 out and reported (``skipped``), never handed to a trainer that cannot check it; an export of nothing fails.
 SpecForge (offline EAGLE-3 data):
   DEST/rows_0-2000/data_{i}.ckpt   torch.save dict: input_ids [T], loss_mask [T], aux_hidden_state [1, T, n_aux*H],
-                                    hidden_state [1, T, H] AFTER the final norm (needs a capture with final_normed)
+                                    hidden_state [1, T, H] AFTER the final norm (a capture with final_normed, or
+                                    one whose last slot is that state: final_slot post_norm, --prefill-graph)
+A data set whose last slot is post-norm goes to SpecForge only: speculators applies the target's norm to the last
+slot itself.
 """
 from __future__ import annotations
 
@@ -22,6 +25,16 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3kit.store import StoreError, leaves_no_partial_dest, load_checked, new_folder, read_manifest
+
+
+def _post_norm(out_dir) -> bool:
+    """Whether the data set records its last slot as the final norm's output (``final_slot: post_norm``)."""
+    import json
+
+    from eagle3kit.store import SETTINGS
+
+    path = Path(out_dir) / SETTINGS
+    return path.exists() and json.loads(path.read_text()).get("final_slot", "pre_norm") == "post_norm"
 
 
 def _entries(out_dir, split):
@@ -66,6 +79,11 @@ def _done(out: dict, skipped: list) -> dict:
 def to_speculators(out_dir, dest, split: str = "train") -> dict:
     from datasets import Dataset
 
+    if _post_norm(out_dir):
+        raise StoreError(f"{out_dir}: its last slot is the final norm's output (final_slot post_norm, a capture inside "
+                         f"SGLang's prefill graph); speculators applies the target's norm to it again. Fix: export it "
+                         f"to SpecForge (which trains on that state), train it with eagle3kit, or capture without "
+                         f"--prefill-graph for speculators")
     out_dir, dest = Path(out_dir), new_folder(dest, "export")
     hs_dir = dest / "hidden_states"
     hs_dir.mkdir()
@@ -103,10 +121,13 @@ def to_speculators(out_dir, dest, split: str = "train") -> dict:
 
 @leaves_no_partial_dest
 def to_specforge(out_dir, dest, split: str = "train") -> dict:
+    post = _post_norm(out_dir)
     out_dir, dest = Path(out_dir), new_folder(dest, "export")
     n = 0
     checked, skipped = _checked(out_dir, split)
     for i, e, s in checked:
+        if post:  # the last slot is the state SpecForge wants
+            s = {**s, "final_normed": s["hidden_states"][:, -1]}
         if "final_normed" not in s:
             raise StoreError(f"{e['file']} has no final_normed state: SpecForge trains on the state after the final "
                              f"norm. Fix: extract with --final-normed (final_normed=True)")

@@ -310,10 +310,14 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
             "estimated_bytes": est["estimated_bytes"], "failures": failures}
 
 
-def settings_for(target_path, info, layer_ids, storage, data, max_tokens, final_normed=False) -> dict:
+def settings_for(target_path, info, layer_ids, storage, data, max_tokens, final_normed=False,
+                 final_slot: str = "pre_norm") -> dict:
+    """``final_slot`` ``post_norm`` (a capture inside SGLang's prefill graph) is recorded; ``pre_norm``, the default,
+    is what a data set without the key holds."""
     return {"target": str(target_path), "num_layers": info.num_layers, "hidden_size": info.hidden_size,
             "layer_ids": list(layer_ids), "layer_convention": "input_of_layer", "storage": storage,
-            "final_normed": final_normed, "data": data, "max_tokens": max_tokens}
+            "final_normed": final_normed, "data": data, "max_tokens": max_tokens,
+            **({"final_slot": final_slot} if final_slot != "pre_norm" else {})}
 
 
 def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int, seed: int = 0,

@@ -28,13 +28,21 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                    world_size=1, rank=0, final_normed=False, server_args=(), progress=True, seed=0,
                    heldout_percent=5.0, regenerate=False, regenerate_max_new_tokens=256, reference_device="cpu",
                    reference_dtype="float32", port=30000, regenerate_minutes=None, regenerate_servers=1,
-                   reference_batch_tokens=None) -> dict:
+                   reference_batch_tokens=None, prefill_graph=False) -> dict:
     """``regenerate_minutes``: with ``regenerate``, start no new conversation after that long and capture those
     regenerated (0: only the replies already cached in the folder); None: every conversation.
     ``regenerate_servers`` (engine sglang): servers that write the replies, the capture server and plain SGLang
     servers beside it on ports ``port`` + 11, + 12, ... (``data.regenerate.HelperServers``; stopped before the
     capture), each with ``concurrency`` replies in flight. ``reference_batch_tokens`` (engine transformers): tokens
-    per padded forward of prompts of similar length (0: one prompt per forward); None: 16384 on cuda, 0 on cpu."""
+    per padded forward of prompts of similar length (0: one prompt per forward); None: 16384 on cuda, 0 on cpu.
+    ``prefill_graph`` (engine sglang): capture with SGLang's prefill CUDA graph on (``capture.graph_plugin``); the
+    last slot is then the final norm's output (recorded ``final_slot: post_norm``; the trainer's teacher honours it)."""
+    if prefill_graph and engine != "sglang":
+        raise ValueError("--prefill-graph is a capture option of the sglang engine (SGLang's prefill CUDA graph); "
+                         "the transformers engine has none. Fix: drop --prefill-graph or use --engine sglang")
+    if prefill_graph and final_normed:
+        raise ValueError("--final-normed with --prefill-graph: the last slot already is the final norm's output "
+                         "there. Fix: drop --final-normed")
     if reference_batch_tokens is None:
         reference_batch_tokens = 16384 if str(reference_device).startswith("cuda") else 0
     if reference_batch_tokens < 0:
@@ -50,7 +58,8 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    settings = settings_for(path, info, layer_ids, storage, data, max_tokens, final_normed)
+    settings = settings_for(path, info, layer_ids, storage, data, max_tokens, final_normed,
+                            "post_norm" if prefill_graph else "pre_norm")
     settings["split"] = {"seed": seed, "heldout_percent": heldout_percent, "rule": SPLIT_RULE}
     if regenerate:
         settings["regenerated_max_new_tokens"] = regenerate_max_new_tokens
@@ -63,12 +72,12 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
             from eagle3kit.capture.server import capture_server
 
             s = capture_server(path, Path(out_dir) / "samples", aux, port=port, final_normed=final_normed,
-                               storage=storage,
+                               storage=storage, prefill_graph=prefill_graph,
                                extra_args=server_args, log_path=Path(out_dir) / "sglang.log")
             s.start().wait_healthy()
             return s
         expect = dict(capture_dir=str(Path(out_dir) / "samples"), aux_layer_ids=aux, num_layers=info.num_layers,
-                      final_normed=bool(final_normed), storage=storage)
+                      final_normed=bool(final_normed), storage=storage, prefill_graph=bool(prefill_graph))
         backend = SGLangBackend(urls, concurrency, start_server=start_server, expect=expect)
     else:
         raise ValueError(f"engine {engine!r}: choose 'transformers' (CPU reference) or 'sglang' (GPU server)")

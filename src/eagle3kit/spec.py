@@ -161,6 +161,18 @@ def check_sample(cap: dict, ids, ref: dict, layer_ids, bounds: dict) -> list[dic
     return rows
 
 
+def final_post_norm(ref: dict, bounds: dict, layer_ids) -> tuple[dict, dict]:
+    """The reference's tensors and the bounds for a capture whose last slot is the final norm's output
+    (``final_slot: post_norm``, a capture inside SGLang's prefill graph): that slot is checked against the
+    reference's post-norm state, within the post-norm state's own bound (the reference needs ``final_normed``)."""
+    if FINAL_NORMED not in ref or FINAL_NORMED not in bounds:
+        raise ValueError("a post-norm final slot is checked against the reference's final norm output: run the "
+                         "reference with final_normed=True and calibrate its bound")
+    hs = ref["hidden_states"].clone()
+    hs[:, -1] = ref[FINAL_NORMED]
+    return {**ref, "hidden_states": hs}, {**bounds, layer_ids[-1]: bounds[FINAL_NORMED]}
+
+
 def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, rank: int = 0,
                          refs: dict | None = None, b16=None) -> list[dict]:
     """One row per (request, slot): the capture against the reference engine's state (``check_states``);
@@ -173,7 +185,10 @@ def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, ra
         ref = refs[key] if refs is not None and key in refs else reference.hidden(ids)
         if refs is not None:
             refs[key] = ref
-        for r in check_sample(cap, ids, ref, meta["layer_ids"], prompt_bounds(bounds, ids, ref, b16)):
+        pb = prompt_bounds(bounds, ids, ref, b16)
+        if meta.get("final_slot", "pre_norm") == "post_norm":
+            ref, pb = final_post_norm(ref, pb, meta["layer_ids"])
+        for r in check_sample(cap, ids, ref, meta["layer_ids"], pb):
             rows.append({"key": key, "n_tokens": len(ids), **r})
     return rows
 

@@ -4,7 +4,9 @@ raised at each sample's own bf16-fragile tokens, ``spec.token_bounds``).
 
 Checksums prove the files are what was written; this proves what was written is the target's states at the data
 set's layers: a capture at the wrong layers, a shifted token, another request's rows or a post-norm final slot
-fails here even though every checksum matches (tests/test_spot_check.py)."""
+fails here even though every checksum matches (tests/test_spot_check.py). A data set that records its last slot as
+post-norm (``final_slot``, a capture inside SGLang's prefill graph) has that slot checked against the reference's
+post-norm state instead, so a pre-norm state there fails."""
 from __future__ import annotations
 
 import json
@@ -24,15 +26,13 @@ def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibra
     if n < 1:
         raise StoreError(f"--reference {n}: give the number of samples to recompute (at least 1)")
     settings = json.loads((out_dir / SETTINGS).read_text())
-    if settings.get("final_slot", "pre_norm") != "pre_norm":
-        raise StoreError(f"{out_dir}: final slot {settings['final_slot']} (a derived experiment): the reference "
-                         f"check compares captures, not derived data sets")
+    post = settings.get("final_slot", "pre_norm") == "post_norm"  # the last slot against the reference's norm output
     entries = sorted(read_manifest(out_dir).values(), key=lambda e: e["index"])
     if not entries:
         raise StoreError(f"{out_dir}: no samples to check")
     picked = random.Random(seed).sample(entries, min(n, len(entries)))
     ref = ReferenceEngine(resolve_target(settings["target"]), settings["layer_ids"][:-1],
-                          final_normed=bool(settings.get("final_normed")), device=device)
+                          final_normed=bool(settings.get("final_normed")) or post, device=device)
     samples = {e["key"]: load_checked(out_dir, e) for e in picked}  # checksum and manifest token ids first
     ids = {k: s["token_ids"].tolist() for k, s in samples.items()}
     refs: dict = {}
@@ -41,7 +41,10 @@ def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibra
     rows = []
     for k, s in samples.items():
         r0 = refs.get(k) or ref.hidden(ids[k])
-        for r in spec.check_sample(s, ids[k], r0, ref.layer_ids, spec.prompt_bounds(bounds, ids[k], r0, b16)):
+        pb = spec.prompt_bounds(bounds, ids[k], r0, b16)
+        if post:
+            r0, pb = spec.final_post_norm(r0, pb, ref.layer_ids)
+        for r in spec.check_sample(s, ids[k], r0, ref.layer_ids, pb):
             rows.append({"key": k, **r})
     failed = sorted({r["key"] for r in rows if not r["ok"]})
     return {"checked": len(samples), "failed": failed, "rows": rows, "bounds": bounds}

@@ -388,6 +388,7 @@ def derive(src, dest, storage: str | None = None, final_slot: str | None = None,
                 hs[:, -1] = tensors["final_normed"]
                 tensors["hidden_states"] = hs
                 meta["final"] = "output of the final norm (post-norm)"
+                meta["final_slot"] = "post_norm"
             if not keep_final_normed:
                 tensors.pop("final_normed", None)
                 meta["final_normed"] = False

@@ -46,6 +46,7 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
     if most is None:
         most = int(torch.argmax(count_frequencies(D.open_source(data, "train"), tinfo.vocab_size)))
     head = TargetHead.from_target(target).placed(dev)
+    head.final_normed = info.final_pre_norm is False  # a recorded post-norm slot is the norm's output: logits as is
     tc = TrainConfig(data=str(data), out_dir="", tokens_per_batch=tokens_per_batch, ttt_steps=1, serving_steps=1)
     return Run(tc, Dist(), dev, None, source, info, target, vocab, torch.zeros(0), model.to(dev).eval(), head,
                vocab.target_to_draft().to(dev), vocab.ids.to(dev), int(most),

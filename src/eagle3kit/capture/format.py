@@ -2,7 +2,9 @@
 
 ``<key>.rank<r>.safetensors``
     hidden_states   [T, n_aux + 1, H]  bf16   residual stream at the aux layer boundaries, then the last layer's
-                                              output before the final norm (speculators' training input)
+                                              output before the final norm (speculators' training input); a
+                                              capture inside SGLang's prefill graph holds the norm's output there
+                                              instead (metadata final_slot: post_norm)
     (fp8 storage:   hidden_states_fp8 [T, n_aux, H] float8_e4m3fn + hidden_states_scale [T, n_aux] float32 for
                     the aux slots, and hidden_states_final [T, H] bf16 for the last slot, instead: the last slot is
                     the teacher's input (the target's logits), which e4m3 would perturb; files of the first fp8
@@ -40,11 +42,17 @@ FP8_MAX = 448.0  # float8_e4m3fn
 
 
 def capture_metadata(engine: str, model: str, rank: int, tp_size: int, layer_ids: list[int], num_layers: int,
-                     final_normed: bool) -> dict:
-    """What every capture file says about itself (the hook and the reference engine write the same)."""
+                     final_normed: bool, final_slot: str = "pre_norm") -> dict:
+    """What every capture file says about itself (the hook and the reference engine write the same).
+    ``final_slot``: ``pre_norm`` (the last layer's output before the final norm) or ``post_norm`` (the norm's output:
+    a capture inside SGLang's prefill graph, ``graph_plugin``)."""
+    if final_slot not in ("pre_norm", "post_norm"):
+        raise ValueError(f"final_slot={final_slot!r}: 'pre_norm' or 'post_norm'")
     return {"engine": engine, "model": model, "rank": rank, "tp_size": tp_size, "layer_ids": list(layer_ids),
             "layer_convention": "input_of_layer", "num_layers": num_layers, "final_normed": final_normed,
-            "final": f"output of layer {num_layers - 1} before the final norm"}
+            "final_slot": final_slot,
+            "final": f"output of layer {num_layers - 1} " + ("before the final norm" if final_slot == "pre_norm" else
+                                                             "after the final norm")}
 
 
 def sample_name(key: str, rank: int) -> str:

@@ -9,6 +9,11 @@ What it takes, from where (SGLang 0.5.14, Llama-style models; DESIGN.md lists th
     ``args[1]`` when asked for.
   * ``ForwardBatch``: ``forward_mode`` (only ``ForwardMode.EXTEND``; DECODE, MIXED, TARGET_VERIFY, IDLE are
     skipped), ``rids``, ``extend_seq_lens_cpu``, ``extend_prefix_lens_cpu`` (rows are packed in ``rids`` order).
+  * With ``prefill_graph`` (SGLang's prefill CUDA graph kept on) no layer is hooked: ``graph_plugin`` switches
+    SGLang's EAGLE-3 aux states on before the graphs are captured, and the logits processor's hook takes them from
+    ``args[4]``, the final norm's output from ``args[1]`` as the last slot, the first ``sum(extend_seq_lens_cpu)``
+    rows of each (the graph pads to its bucket), and the rids from the batch ``ModelRunner.forward`` was called with
+    (the graph's static batch has none).
 
 Hot path per selected forward: per hooked layer one add (and, for mixed batches, a gather) written into its slot
 of one ``[rows, slots, H]`` block on the GPU (the file's layout; with fp8 storage encoded there, ``fp8_encode_states``, so
@@ -39,11 +44,12 @@ _SESSIONS: dict[str, "CaptureSession"] = {}
 
 def capture_config(capture_dir: str, aux_layer_ids, num_layers: int, *, final_normed: bool = False,
                    ranks="0", storage: str = "bf16", rid_prefix: str = RID_PREFIX, max_inflight_mb: int = 2048,
-                   io_threads: int = 4, model: str = "", fail_keys_once=()) -> dict:
+                   io_threads: int = 4, model: str = "", fail_keys_once=(), prefill_graph: bool = False) -> dict:
     """The hook's config. ``aux_layer_ids`` use the "input of layer k" convention (speculators/vLLM); the final
-    pre-norm state (input of layer ``num_layers``) is always appended as the last slot. ``fail_keys_once``: fault
-    injection for the fault tests: the first forward holding one of these keys raises inside the hook (as a bug
-    would), once per key."""
+    state (input of layer ``num_layers``) is always appended as the last slot: before the norm, or with
+    ``prefill_graph`` (SGLang's prefill CUDA graph kept on, ``graph_plugin``) the final norm's output, the only final
+    state SGLang's aux-state path hands out (``final_slot``). ``fail_keys_once``: fault injection for the fault tests:
+    the first forward holding one of these keys raises inside the hook (as a bug would), once per key."""
     aux = [int(k) for k in aux_layer_ids]
     bad = [k for k in aux if not 1 <= k < num_layers]
     if bad:
@@ -51,10 +57,20 @@ def capture_config(capture_dir: str, aux_layer_ids, num_layers: int, *, final_no
                          f"[1, {num_layers - 1}] for a {num_layers}-layer model (0 would be the embeddings)")
     if ranks not in ("0", "all") and not isinstance(ranks, list):
         raise ValueError(f"ranks={ranks!r}: use '0' (one rank, default), 'all' (TP check) or a list of ranks")
+    if prefill_graph and final_normed:
+        raise ValueError("final_normed with prefill_graph: the last slot already is the final norm's output there; "
+                         "leave final_normed off")
     return {"capture_dir": str(capture_dir), "aux_layer_ids": aux, "num_layers": int(num_layers),
             "final_normed": bool(final_normed), "ranks": ranks, "storage": storage, "rid_prefix": rid_prefix,
             "max_inflight_mb": int(max_inflight_mb), "io_threads": int(io_threads), "model": str(model),
+            **({"prefill_graph": True} if prefill_graph else {}),
             **({"fail_keys_once": [str(k) for k in fail_keys_once]} if fail_keys_once else {})}
+
+
+def final_slot(config: dict) -> str:
+    """What the last slot holds: ``pre_norm`` (the last layer's output before the final norm, from the layer hooks)
+    or ``post_norm`` (the final norm's output, under the prefill graph)."""
+    return "post_norm" if config.get("prefill_graph") else "pre_norm"
 
 
 def slot_layers(config: dict) -> list[int]:
@@ -63,8 +79,9 @@ def slot_layers(config: dict) -> list[int]:
 
 
 def forward_hooks(config: dict, layer_module: str = "model.layers.{}") -> list[dict]:
-    """The ``--forward-hooks`` JSON for SGLang: one entry per decoder layer to read, one closing entry."""
-    layers = sorted({k - 1 for k in slot_layers(config)})
+    """The ``--forward-hooks`` JSON for SGLang: one entry per decoder layer to read, one closing entry (only the
+    closing one under the prefill graph: the states come to it from SGLang's aux-state path)."""
+    layers = [] if config.get("prefill_graph") else sorted({k - 1 for k in slot_layers(config)})
     specs = [{"name": f"eagle3kit_layer{j}", "target_modules": [layer_module.format(j)],
               "hook_factory": f"{FACTORY}:layer_hook", "config": {**config, "layer": j}} for j in layers]
     specs.append({"name": "eagle3kit_end", "target_modules": [end_module(layer_module)],
@@ -114,7 +131,7 @@ class CaptureSession:
         self.writer = None
         if self.active:
             meta = capture_metadata("sglang", config["model"], rank, tp_size, slots, config["num_layers"],
-                                    config["final_normed"])
+                                    config["final_normed"], final_slot(config))
             self.writer = WriterProcess(config["capture_dir"], rank, meta, storage=config["storage"],
                                         io_threads=config["io_threads"],
                                         max_inflight_bytes=config["max_inflight_mb"] << 20, dp_rank=dp_rank)
@@ -215,16 +232,64 @@ class CaptureSession:
                 torch.add(self._rows(st, h), self._rows(st, r), out=st.states[:, i])
             st.filled.add(i)
 
+    def _graph_batch(self, fb):
+        """Under the prefill graph the logits processor gets the graph's static batch, without ``rids``: the batch
+        ``ModelRunner.forward`` was called with (remembered by ``graph_plugin``) has them. A batch that ran eagerly
+        (over the largest graph size, with input logprobs ...) arrives as it is."""
+        if fb.rids is not None:
+            return fb
+        from eagle3kit.capture import graph_plugin
+
+        real = graph_plugin.STATE["batch"]
+        if real is None:
+            raise RuntimeError(f"prefill graph: no batch remembered from ModelRunner.forward: {graph_plugin.missing_reason()}")
+        if list(real.extend_seq_lens_cpu or []) != list(fb.extend_seq_lens_cpu or []):
+            raise RuntimeError("prefill graph: the batch remembered from ModelRunner.forward is not the one the logits "
+                               "processor sees (their extend_seq_lens_cpu differ)")
+        return real
+
+    def _fill_from_aux(self, st: _Forward, args, n: int) -> None:
+        """The slots from SGLang's aux states (``args[4]``, one [rows, H] per aux layer) and the final norm's output
+        (``args[1]``): the first ``n`` rows are the batch's tokens (a graph pads to its bucket); copied now, since the
+        next replay overwrites the graph's buffers."""
+        from eagle3kit.capture import graph_plugin
+
+        aux = args[4] if len(args) > 4 else None
+        want = self.n_slots - 1
+        if not isinstance(aux, (list, tuple)) or len(aux) != want:
+            got = len(aux) if isinstance(aux, (list, tuple)) else 0
+            raise RuntimeError(f"prefill graph: {got} aux states from SGLang where {want} were set: "
+                               f"{graph_plugin.missing_reason()}")
+        parts = list(aux) + [args[1]]
+        short = [tuple(x.shape) for x in parts if x.shape[0] < n]
+        if short:
+            raise RuntimeError(f"prefill graph: states with fewer rows than the batch's {n} tokens: {short}")
+        h = args[1]
+        shape = (st.sel.n_rows, self.n_slots, h.shape[-1])
+        st.states = (torch.empty(shape, dtype=h.dtype, device=h.device) if h.is_cuda or self._fp8
+                     else self._host(st, shape, h.dtype, False))
+        for i, x in enumerate(parts):
+            st.states[:, i].copy_(self._rows(st, x[:n]))
+            st.filled.add(i)
+
     def on_end(self, args):
         fb = self._forward_batch(args, 3)
         if fb is None:
             return
+        graph = bool(self.config.get("prefill_graph"))
+        if graph:
+            fb = self._graph_batch(fb)
         mode = getattr(fb.forward_mode, "name", str(fb.forward_mode)).lower()
         self.writer.note(f"forwards_{mode}")
-        st = self._state(fb, args[1].shape[0])
+        n = args[1].shape[0]
+        if graph and fb.forward_mode == self.extend_mode and fb.extend_seq_lens_cpu is not None:
+            n = int(sum(fb.extend_seq_lens_cpu))  # the rows past them pad the graph's bucket
+        st = self._state(fb, n)
         if st is None or not st.sel.spans:
             self.cur = None
             return
+        if graph:
+            self._fill_from_aux(st, args, n)
         missing = [k for k, idx in self.layer_slots.items() if any(i not in st.filled for i in idx)]
         if missing:
             raise RuntimeError(f"no output captured from decoder layers {missing}: their hooks did not fire "
@@ -239,7 +304,9 @@ class CaptureSession:
             tensors = {"hidden_states": self._copy(st, st.states) if st.states.is_cuda else st.states}
         # the logits processor's input_ids; a multimodal wrapper (Kimi-K2.5's kimi_k25.py) embeds the tokens itself
         # and passes None there: the batch's own ids are the same tokens
-        ids = args[0] if args[0] is not None else fb.input_ids
+        ids = (args[0] if args[0] is not None else fb.input_ids)[:n]
+        if graph and st.index is None:  # a view of the graph's input buffer, which the next replay overwrites while
+            ids = ids.clone()  # the side stream may still be copying it: taken on this stream first
         tensors["token_ids"] = self._copy(st, self._rows(st, ids))
         if self.config["final_normed"]:
             tensors["final_normed"] = self._copy(st, self._rows(st, args[1]))

@@ -1,7 +1,8 @@
 """Start and stop a capture-enabled SGLang server (the GPU side).
 
 eagle3kit adds only what capture needs: the ``--forward-hooks`` JSON, CUDA graphs off (hooks do not fire inside a
-captured graph, and the default piecewise prefill graph compiles the decoder layers), 127.0.0.1, and for DeepSeek-
+captured graph, and the default piecewise prefill graph compiles the decoder layers; with ``prefill_graph`` they stay
+on and ``graph_plugin`` captures through SGLang's aux-state path), 127.0.0.1, and for DeepSeek-
 style models the FlashInfer all-reduce fusion off (it leaves per-rank partial sums in the layer outputs under TP).
 Every other SGLang flag (TP, DP, multi-node, quantization, attention backend ...) passes through untouched.
 """
@@ -41,7 +42,8 @@ def server_command(model_path, port: int = 30000, host: str = "127.0.0.1", captu
     if specs:
         cmd += ["--forward-hooks", dumps(specs)]
     if capture is not None:
-        if not _has(extra, "--disable-cuda-graph", "--cuda-graph-backend-prefill", "--disable-piecewise-cuda-graph"):
+        graph_flags = ("--disable-cuda-graph", "--cuda-graph-backend-prefill", "--disable-piecewise-cuda-graph")
+        if not capture.get("prefill_graph") and not _has(extra, *graph_flags):
             cmd += ["--disable-cuda-graph"]
         info = TargetInfo.read(Path(model_path))
         if info.model_type in DEEPSEEK_TYPES and not _has(extra, "--enforce-disable-flashinfer-allreduce-fusion"):
@@ -60,6 +62,13 @@ class SGLangServer:
         self.capture = capture
         self.log_path = Path(log_path or f"sglang-{port}.log")
         self.env = {**os.environ, **(env or {})}
+        if capture is not None and capture.get("prefill_graph"):
+            from eagle3kit.capture import graph_plugin
+
+            problem = plugin_problem(self.env)
+            if problem:
+                raise ServerError(f"capture with prefill_graph needs eagle3kit's SGLang plugin: {problem}")
+            self.env[graph_plugin.ENV] = graph_plugin.env_value(capture["aux_layer_ids"])
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
 
@@ -128,6 +137,26 @@ class SGLangServer:
         self.stop()
 
 
+def plugin_problem(env: dict | None = None) -> str | None:
+    """Why SGLang, started from this Python with ``env``, would not load eagle3kit's plugin (``graph_plugin``); None
+    when it would."""
+    from importlib.metadata import entry_points
+
+    from eagle3kit.capture import graph_plugin
+
+    want = f"{graph_plugin.__name__}:register"
+    found = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == graph_plugin.ENTRY_POINT]
+    if not found:
+        return (f"no entry point '{graph_plugin.ENTRY_POINT}' in group sglang.srt.plugins. Fix: install eagle3kit into "
+                f"this Python (pip install -e . from the repository; pyproject.toml declares it)")
+    if found[0].value != want:
+        return f"the entry point '{graph_plugin.ENTRY_POINT}' points to {found[0].value}, not {want}: reinstall eagle3kit"
+    allowed = [a.strip() for a in (env or os.environ).get("SGLANG_PLUGINS", "").split(",") if a.strip()]
+    if allowed and graph_plugin.ENTRY_POINT not in allowed:
+        return f"SGLANG_PLUGINS={','.join(allowed)} leaves it out. Fix: add '{graph_plugin.ENTRY_POINT}' to it, or unset it"
+    return None
+
+
 WRAPPED_LAYERS = {  # architectures whose language model SGLang builds under another attribute (SGLang 0.5.14)
     "KimiK25ForConditionalGeneration": "language_model.model.layers.{}",  # models/kimi_k25.py: language_model
 }
@@ -170,11 +199,15 @@ def probe_capture(url: str, capture_dir, timeout: float = 120) -> None:
 
 
 def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_normed=False, ranks="0",
-                   storage="bf16", extra_args=(), log_path=None, fail_keys_once=(), **kw) -> SGLangServer:
-    """``fail_keys_once``: fault injection for the fault tests (``hook.capture_config``)."""
+                   storage="bf16", extra_args=(), log_path=None, fail_keys_once=(), prefill_graph=False,
+                   **kw) -> SGLangServer:
+    """``fail_keys_once``: fault injection for the fault tests (``hook.capture_config``). ``prefill_graph``: keep
+    SGLang's prefill CUDA graph on and capture through its aux-state path (``graph_plugin``; the last slot is then
+    the final norm's output)."""
     info = TargetInfo.read(Path(model_path))
     cfg = capture_config(capture_dir, aux_layer_ids, info.num_layers, final_normed=final_normed, ranks=ranks,
-                         storage=storage, model=str(model_path), fail_keys_once=fail_keys_once)
+                         storage=storage, model=str(model_path), fail_keys_once=fail_keys_once,
+                         prefill_graph=prefill_graph)
     kw.setdefault("layer_module", decoder_layer_template(model_path))
     return SGLangServer(model_path, port=port, capture=cfg, extra_args=extra_args, log_path=log_path, **kw)
 
@@ -220,8 +253,8 @@ def check_capture_server(url: str, expect: dict, timeout: float = 10.0) -> None:
         same = (theirs.exists() and ours.exists() and os.path.samefile(theirs, ours)) or theirs.resolve() == ours.resolve()
         if not same:
             problems.append(f"it writes captures to {theirs}, this extraction reads {ours}")
-    for k in ("aux_layer_ids", "num_layers", "final_normed", "storage"):
-        if k in expect and cfg.get(k) != expect[k]:
+    for k in ("aux_layer_ids", "num_layers", "final_normed", "storage", "prefill_graph"):
+        if k in expect and cfg.get(k, False if k == "prefill_graph" else None) != expect[k]:
             problems.append(f"its {k} is {cfg.get(k)!r}, this extraction asks for {expect[k]!r}")
     if problems:
         raise ServerError(f"capture server {url} does not match this extraction: {'; '.join(problems)}. Fix: start "

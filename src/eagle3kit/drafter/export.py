@@ -83,10 +83,13 @@ def sglang_tensors(model) -> dict:
 
 
 def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict | None = None,
-              aux_ids_override: list[int] | None = None, final_pre_norm: bool = True) -> Path:
+              aux_ids_override: list[int] | None = None, final_pre_norm: bool = True,
+              teacher_exact: bool | None = None) -> Path:
     """Write an SGLang draft directory (atomically: ``dest`` is replaced whole). ``aux_ids_override`` writes
     other SGLang layer ids than the training layers' (the off-by-one experiment; the doctor flags it);
-    ``final_pre_norm``: whether the training data's final slot was pre-norm (the doctor flags False)."""
+    ``final_pre_norm``: whether the training data's final slot was pre-norm; ``teacher_exact``: whether the teacher
+    saw the target's own logits (a pre-norm slot normed, or a recorded post-norm slot taken as it is; None: as
+    ``final_pre_norm``). The doctor flags False."""
     from eagle3kit.drafter.model import check_servable
     from eagle3kit.target import TargetInfo
 
@@ -107,7 +110,8 @@ def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict |
         "format": FORMAT, "target": str(target_path), "target_model_type": info.model_type,
         "target_num_layers": info.num_layers, "capture_layer_ids": [int(k) for k in aux_layer_ids] + [info.num_layers],
         "layer_convention": "input_of_layer", "draft_vocab_size": int(vocab.size), **(provenance or {}),
-        "final_pre_norm": bool(final_pre_norm)}, indent=1, default=str))
+        "final_pre_norm": bool(final_pre_norm),
+        "teacher_exact": bool(final_pre_norm if teacher_exact is None else teacher_exact)}, indent=1, default=str))
     return _publish(tmp, dest)
 
 
@@ -164,10 +168,11 @@ def export_drafter(src, dest, fmt: str, checkpoint: str = "best", sglang_layer_i
     aux = meta["capture_layer_ids"][:-1]
     provenance = {k: v for k, v in meta.items() if k not in ("format", "target", "target_model_type",
                                                              "target_num_layers", "capture_layer_ids",
-                                                             "layer_convention", "final_pre_norm", "draft_vocab_size")}
+                                                             "layer_convention", "final_pre_norm", "draft_vocab_size",
+                                                             "teacher_exact")}
     if fmt == "sglang":
         out = to_sglang(model, vocab, dest, meta["target"], aux, provenance, aux_ids_override=sglang_layer_ids,
-                        final_pre_norm=meta.get("final_pre_norm", True))
+                        final_pre_norm=meta.get("final_pre_norm", True), teacher_exact=meta.get("teacher_exact"))
     elif fmt == "speculators":
         out = to_speculators(model, dest, {**meta, **provenance})
     else:

@@ -123,13 +123,16 @@ def trainable_state(model) -> dict:
 
 
 class TargetHead(torch.nn.Module):
-    """The target's final norm and full ``lm_head``: target logits from the captured final (pre-norm) state."""
+    """The target's final norm and full ``lm_head``: target logits from the captured final (pre-norm) state.
+    ``final_normed``: the final slot already is the norm's output (a capture inside SGLang's prefill graph, recorded
+    ``final_slot: post_norm``): only the ``lm_head`` is applied."""
 
     def __init__(self, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor, eps: float):
         super().__init__()
         self.register_buffer("norm_weight", norm_weight.detach().clone())
         self.register_buffer("weight", lm_head_weight.detach().clone())
         self.eps = eps
+        self.final_normed = False
 
     @classmethod
     def from_target(cls, target_path) -> "TargetHead":
@@ -152,6 +155,6 @@ class TargetHead(torch.nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.norm_weight.float() * x).to(h.dtype)
 
-    def logits(self, final_pre_norm: torch.Tensor) -> torch.Tensor:
-        h = self.norm(final_pre_norm)
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        h = final if self.final_normed else self.norm(final)
         return h.to(self.weight.dtype) @ self.weight.T

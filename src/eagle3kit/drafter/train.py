@@ -207,16 +207,30 @@ def _aux_ids(cfg: TrainConfig, info: D.SourceInfo, num_layers: int) -> list[int]
     return list(ids)
 
 
-def _check_final_slot(cfg: TrainConfig, source, head) -> None:
-    """The teacher applies the target's final norm to the last slot: it must hold the state *before* the norm."""
+def _check_final_slot(cfg: TrainConfig, source, head) -> bool:
+    """Whether the teacher takes the last slot as it is (True) or applies the target's final norm to it (False).
+    A slot recorded post-norm (``final_slot: post_norm``, a capture inside SGLang's prefill graph) that is post-norm by
+    value is the norm's output: taken as it is. A slot post-norm by value but not recorded so (another engine's
+    states) is refused: normed again, the teacher would learn from a twice-normed state. ``allow_post_norm_final``
+    reproduces that mistake on purpose (the acceptance experiment): the norm is applied whatever the slot holds."""
     from eagle3kit.doctor import final_slot
 
-    post, share, _ = final_slot(source, head.norm_weight)
-    if post and not cfg.allow_post_norm_final:
+    post, share, recorded = final_slot(source, head.norm_weight)
+    if cfg.allow_post_norm_final:
+        return False
+    if recorded is False:
+        if share <= 0.5:
+            raise TrainError(f"{cfg.data}: recorded final_slot post_norm, but only {share:.0%} of probed tokens have "
+                             f"RMS(state / norm weight) = 1: these are not the target's final norm outputs (another "
+                             f"target, or a wrong record). Fix: train with the target the data was captured from")
+        return True
+    if post:
         raise TrainError(f"{cfg.data}: the last slot holds the final norm's output (post-norm: "
-                         f"{share:.0%} of probed tokens have RMS(state / norm weight) = 1), but the teacher applies "
-                         f"the norm itself, so it would learn from logits of a twice-normed state. Fix: capture with "
-                         f"eagle3kit (its final slot is the last layer's output before the norm)")
+                         f"{share:.0%} of probed tokens have RMS(state / norm weight) = 1), but the data set does not "
+                         f"record it (final_slot), so the teacher would apply the norm again and learn from logits of "
+                         f"a twice-normed state. Fix: capture with eagle3kit (its final slot is the last layer's output "
+                         f"before the norm, or recorded post_norm under --prefill-graph)")
+    return False
 
 
 def count_frequencies(source, vocab_size: int) -> torch.Tensor:
@@ -260,7 +274,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     info.n_states = len(aux) + 1
     info.hidden_size = tinfo.hidden_size
     head = TargetHead.from_target(target)
-    _check_final_slot(cfg, train_src, head)
+    head.final_normed = _check_final_slot(cfg, train_src, head)
     out = Path(cfg.out_dir)
     vocab_file = out / "vocab.pt"
     if vocab_file.exists():
@@ -725,7 +739,8 @@ def export(run: Run, dest: Path, extra: dict | None = None) -> Path:
     return to_sglang(run.model, run.vocab, dest, run.target, run.extra["aux_layer_ids"],
                      provenance={"data": str(run.cfg.data), "train": asdict(run.cfg),
                                  "most_frequent_token": run.most_frequent, **(extra or {})},
-                     final_pre_norm=run.info.final_pre_norm is not False)
+                     final_pre_norm=run.info.final_pre_norm is not False,
+                     teacher_exact=run.info.final_pre_norm is not False or run.head.final_normed)
 
 
 def _summary(run: Run, state: dict, lengths: list[int]) -> dict:
