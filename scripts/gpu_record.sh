@@ -149,7 +149,8 @@ for what in ${phases//,/ }; do
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$rec/gpu.txt" 2>&1
   python3 -c "import sglang, torch, transformers; print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" >> "$rec/gpu.txt" 2>&1
   case "$what" in
-    pipeline) $stop python3 -m eagle3kit.cli run params/gpu-smollm2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
+    pipeline) # E3K_PIPELINE_ARGS: more runner arguments (e.g. "--only 03_extract --set 03_extract.prefill_graph=true")
+        $stop python3 -m eagle3kit.cli run params/gpu-smollm2.yaml --run-dir "$rec/run" ${E3K_PIPELINE_ARGS:-} "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     tp) nvidia-smi topo -m >> "$rec/gpu.txt" 2>&1; env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' >> "$rec/gpu.txt"
         $stop python3 -m eagle3kit.cli run params/gpu-smollm2-tp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     deepseek|kimi)  # one of the users' family (#14; own ports: the two may run at once, see gpu_chain.sh)
