@@ -262,6 +262,11 @@ def test_a_post_norm_final_slot_goes_to_specforge_only(tmp_path, extracted):
     a = torch.load(tmp_path / "sf" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
     b = torch.load(tmp_path / "sf0" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
     assert torch.equal(a["hidden_state"], b["hidden_state"]) and torch.equal(a["aux_hidden_state"], b["aux_hidden_state"])
+    # derived again: still post-norm (fp8 here); the pre-norm state cannot be had back from it
+    again = derive(post, tmp_path / "post-fp8", storage="fp8", final_slot="post_norm")
+    assert again["final_slot"] == "post_norm" and again["samples"] == len(read_manifest(post))
+    with pytest.raises(StoreError, match="cannot be recovered"):
+        derive(post, tmp_path / "pre", final_slot="pre_norm")
 
 
 def test_exporters_check_values_and_leave_out_a_corrupt_sample(tmp_path, extracted, samples):

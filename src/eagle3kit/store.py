@@ -365,6 +365,11 @@ def derive(src, dest, storage: str | None = None, final_slot: str | None = None,
     settings = json.loads((src / SETTINGS).read_text())
     if final_slot not in (None, "pre_norm", "post_norm"):
         raise StoreError(f"final_slot={final_slot!r}: choose 'post_norm' (or leave it unset)")
+    if settings.get("final_slot", "pre_norm") == "post_norm":  # captured inside SGLang's prefill graph, or derived
+        if final_slot == "pre_norm":
+            raise StoreError(f"{src}: its last slot is the final norm's output (final_slot post_norm); the state "
+                             f"before the norm cannot be recovered from it. Fix: capture without --prefill-graph")
+        final_slot = None  # post_norm already: nothing to replace
     if final_slot == "post_norm" and not settings.get("final_normed"):
         raise StoreError(f"{src} holds no final_normed states: capture with --final-normed to derive post-norm data")
     new = {**settings, "storage": storage or settings["storage"], "derived_from": str(src),
