@@ -206,6 +206,13 @@ class CaptureSession:
         rows.record_stream(self._stream)
         return dst
 
+    def _block(self, st: _Forward, like: torch.Tensor) -> None:
+        """The forward's one ``[rows, slots, H]`` block (the file's layout), of ``like``'s dtype: on the GPU (one copy
+        to the host at the end; fp8 is encoded there too), on the CPU straight in host memory."""
+        shape = (st.sel.n_rows, self.n_slots, like.shape[-1])
+        st.states = (torch.empty(shape, dtype=like.dtype, device=like.device) if like.is_cuda or self._fp8
+                     else self._host(st, shape, like.dtype, False))
+
     def _rows(self, st: _Forward, x: torch.Tensor) -> torch.Tensor:
         return x if st.index is None else x.index_select(0, st.index)
 
@@ -218,12 +225,8 @@ class CaptureSession:
         st = self._state(fb, h.shape[0])
         if st is None or not st.sel.spans:
             return
-        if st.states is None:
-            # one [rows, slots, H] block per forward: on the GPU (one copy to the host at the end), on the CPU
-            # straight in host memory; each layer's residual sum is written into its slot
-            shape = (st.sel.n_rows, self.n_slots, h.shape[-1])
-            st.states = (torch.empty(shape, dtype=h.dtype, device=h.device) if h.is_cuda or self._fp8
-                         else self._host(st, shape, h.dtype, False))
+        if st.states is None:  # each layer's residual sum is written into its slot
+            self._block(st, h)
         slots = self.layer_slots.get(layer, ())
         for i in slots:
             if r is None:
@@ -264,10 +267,7 @@ class CaptureSession:
         short = [tuple(x.shape) for x in parts if x.shape[0] < n]
         if short:
             raise RuntimeError(f"prefill graph: states with fewer rows than the batch's {n} tokens: {short}")
-        h = args[1]
-        shape = (st.sel.n_rows, self.n_slots, h.shape[-1])
-        st.states = (torch.empty(shape, dtype=h.dtype, device=h.device) if h.is_cuda or self._fp8
-                     else self._host(st, shape, h.dtype, False))
+        self._block(st, args[1])
         for i, x in enumerate(parts):
             st.states[:, i].copy_(self._rows(st, x[:n]))
             st.filled.add(i)
