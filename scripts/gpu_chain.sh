@@ -80,6 +80,12 @@
 # The twenty-second session (2026-12-03): E3K_CHAIN="kimi:470 bench:660" with E3K_BENCH_WRITERS=0: bench complete in
 # 436 s (3 rounds of 584 prompts with its disk pass; gpu-benchmark-three-rounds); kimi stopped in 04 on speculators'
 # own AutoConfig call (fixed); on a new machine E3K_CHAIN="kimi:420": 03-05 complete in 417 s (gpu-family-kimi-tiny-5).
+# The twenty-third session (2026-12-03): E3K_CHAIN="tests:330 bench:690 pipeline:420" with E3K_TESTS_K=prefill_graph,
+# E3K_BENCH_STORAGES="bf16 graph" (4 servers) E3K_BENCH_SAMPLES=600 E3K_BENCH_ROUNDS=3 E3K_BENCH_WRITERS=0 and
+# E3K_PIPELINE_ARGS="--only 03_extract --set 03_extract.prefill_graph=true --set 03_extract.max_samples=1000": 177 + 472
+# + 155 s, all complete; one machine held throughout (the stage's 19 parts and the install: ~4.5 min of the lease).
+# Next: the drafter chain on --prefill-graph data (E3K_DATA_SETS="--set 03_extract.prefill_graph=true", final_normed
+# off; the postnorm control then trains on the main data with allow_post_norm_final), and graph capture in fp8.
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged; after -13
