@@ -79,7 +79,7 @@ def test_prefill_graph_capture_matches_reference(tmp_path_factory, tokenizer, ta
     from eagle3kit.capture.format import read_sample
     from eagle3kit.capture.reference import ReferenceEngine
     from eagle3kit.capture.server import capture_server
-    from eagle3kit.spec import (all_reference_states, calibrate_bounds, calibration_set, check_sample,
+    from eagle3kit.spec import (all_reference_states, calibrate_bounds, calibration_set, check_capture,
                                 compare_to_reference, probe_prompts)
 
     d = tmp_path_factory.mktemp("graph")
@@ -121,11 +121,10 @@ def test_prefill_graph_capture_matches_reference(tmp_path_factory, tokenizer, ta
     key, ids = next(iter(prompts.items()))
     cap, meta = read_sample(d / "captures" / f"{key}.rank0.safetensors")
     assert meta["final_slot"] == "post_norm"
-    r0 = ref.hidden(ids)  # its last slot: the pre-norm state
-    assert not [r for r in check_sample(cap, ids, r0, meta["layer_ids"], bounds) if r["layer_id"] == 30][0]["ok"]
+    r0 = ref.hidden(ids)
+    assert all(r["ok"] for r in check_capture(cap, ids, r0, meta["layer_ids"], bounds, post_norm=True))
+    # checked as if the last slot held the pre-norm state: that slot fails
+    assert not [r for r in check_capture(cap, ids, r0, meta["layer_ids"], bounds) if r["layer_id"] == 30][0]["ok"]
     shifted = cap["hidden_states"].clone()
     shifted[:, 0] = all_reference_states(ref, ids)["input_of_layer 3"].to(shifted.dtype)
-    from eagle3kit.spec import final_post_norm
-
-    r_post, b_post = final_post_norm(r0, bounds, meta["layer_ids"])
-    assert not check_sample({**cap, "hidden_states": shifted}, ids, r_post, meta["layer_ids"], b_post)[0]["ok"]
+    assert not check_capture({**cap, "hidden_states": shifted}, ids, r0, meta["layer_ids"], bounds, post_norm=True)[0]["ok"]

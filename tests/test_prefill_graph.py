@@ -52,7 +52,7 @@ def clean_state():
 
 def replay(session, real, aux_layers, st, bucket: int):
     """What the logits processor gets after a graph replay: static batch (rids None), rows padded to ``bucket``."""
-    keys = [k for k in ("a", "b")]
+    keys = ("a", "b")
     n = sum(len(st[k]["ids"]) for k in keys)
 
     def pad(x):
@@ -84,29 +84,44 @@ def test_the_end_hook_writes_aux_states_and_the_normed_final_state_of_the_real_r
 
 
 def test_without_the_plugins_states_or_batch_nothing_is_written_and_the_reason_is_said(tmp_path, reference, states):
-    L = reference.info.num_layers
-    cfg = capture_config(tmp_path, [2, 15, 27], L, prefill_graph=True)
+    from eagle3kit.capture.hook import _guarded
+
+    cfg = capture_config(tmp_path, [2, 15, 27], reference.info.num_layers, prefill_graph=True)
     session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
     rids = [make_rid(k, len(states[k]["ids"])) for k in ("a", "b")]
     real = batch(rids, [len(states[k]["ids"]) for k in ("a", "b")], None)
-    from eagle3kit.capture.hook import _guarded
+    ids = torch.tensor(states["a"]["ids"] + states["b"]["ids"])
+    post, aux = torch.zeros(len(ids), 576), [torch.zeros(len(ids), 576)] * 3
+    static = batch(None, real.extend_seq_lens_cpu, ids)
+
+    def end(*args):
+        _guarded(session, "end", session.on_end, args)
+        return session.writer.last_error
 
     graph_plugin.STATE.update(registered=False)  # SGLang did not load the plugin: no aux states reach the hook
     graph_plugin.remember_batch(None, real)
-    ids = torch.tensor(states["a"]["ids"] + states["b"]["ids"])
-    _guarded(session, "end", session.on_end, (ids, torch.zeros(len(ids), 576), None, batch(None, real.extend_seq_lens_cpu, ids)))
-    # a remembered batch that is not the replayed one (other lengths): refused, not split at the wrong offsets
+    assert "0 aux states" in end(ids, post, None, static) and "pip install -e ." in session.writer.last_error
+    markers = [json.loads(p.read_text()) for p in tmp_path.glob("[ab].rank0.json")]  # its requests fail now
+    assert len(markers) == 2 and all(m["status"] == "error" and "pip install" in m["reason"] for m in markers)
     graph_plugin.STATE.update(registered=True)
+    # a remembered batch that is not the replayed one (other lengths): refused, not split at the wrong offsets
     graph_plugin.remember_batch(None, batch(rids, [3, len(ids) - 3], None))
-    aux = [torch.zeros(len(ids), 576)] * 3
-    _guarded(session, "end", session.on_end, (ids, torch.zeros(len(ids), 576), None, batch(None, real.extend_seq_lens_cpu, ids), aux))
+    assert "not the one the logits processor sees" in end(ids, post, None, static, aux)
+    graph_plugin.STATE.update(batch=None)  # ModelRunner.forward never went through the plugin
+    assert "no batch remembered from ModelRunner.forward" in end(ids, post, None, static, aux)
     st = session.writer.flush()
-    assert st["counts"]["errors"] == 2 and st["counts"].get("written", 0) == 0
-    assert "not the one the logits processor sees" in st["last_error"]
+    assert st["counts"]["errors"] == 3 and st["counts"].get("written", 0) == 0
     assert not list(tmp_path.glob("*.safetensors"))
-    # the first error named the fix: install eagle3kit so that SGLang finds its plugin
-    markers = [json.loads(p.read_text()) for p in tmp_path.glob("[ab].rank0.json")]
-    assert markers and all(m["status"] == "error" for m in markers)
+
+
+def test_the_plugin_remembers_the_batch_however_it_is_passed_and_not_a_drafts():
+    target, draft = SimpleNamespace(is_draft_worker=False), SimpleNamespace(is_draft_worker=True)
+    a, b = object(), object()
+    graph_plugin.remember_batch(target, a)
+    graph_plugin.remember_batch(draft, b)  # a draft worker's forward is not the target's batch
+    assert graph_plugin.STATE["batch"] is a
+    graph_plugin.remember_batch(target, forward_batch=b)
+    assert graph_plugin.STATE["batch"] is b
 
 
 def test_plugin_switches_the_aux_states_on_at_eagle3kits_layers_for_llama_and_a_wrapper():
@@ -155,12 +170,13 @@ def test_capture_server_keeps_the_graphs_and_refuses_without_the_plugin(tmp_path
         capture_config(tmp_path, [2, 15, 27], 30, prefill_graph=True, final_normed=True)
 
 
-def test_plugin_problem_names_a_whitelist_that_leaves_it_out():
+def test_plugin_problem_names_a_missing_entry_point_and_a_whitelist_that_leaves_it_out(monkeypatch):
+    import importlib.metadata
+
     from eagle3kit.capture.server import plugin_problem
 
-    found = plugin_problem({})
-    if found is not None:  # eagle3kit not installed as a package here (run from a source tree): that is the problem
-        assert "no entry point 'eagle3kit'" in found
-        return
+    assert plugin_problem({}) is None  # the setup installs eagle3kit (pip install -e .): SGLang would find it
     assert "SGLANG_PLUGINS=other leaves it out" in plugin_problem({"SGLANG_PLUGINS": "other"})
     assert plugin_problem({"SGLANG_PLUGINS": "other,eagle3kit"}) is None
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])  # a Python without eagle3kit installed
+    assert "no entry point 'eagle3kit'" in plugin_problem({})

@@ -162,6 +162,10 @@ def test_a_recorded_post_norm_slot_gives_the_teacher_the_targets_own_logits(smal
     (lying / "extraction.json").write_text(json.dumps({**settings, "final_slot": "post_norm"}))
     with pytest.raises(TrainError, match="not the target's final norm outputs"):
         _check_final_slot(TrainConfig(data=str(lying), out_dir="", **TINY), D.CaptureSource(lying, "train"), head)
+    from eagle3kit.doctor import check_data
+
+    assert not check_data(lying, str(target_path)).ok and "not the target's final norm outputs" in str(
+        check_data(lying, str(target_path)))
     # trained end to end on it, the export records a teacher that saw the target's logits: the doctor passes it
     from eagle3kit.doctor import diagnose
 

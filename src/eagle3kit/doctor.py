@@ -40,9 +40,16 @@ def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
     return d
 
 
-def final_slot(source, norm_weight, probe: int = 4) -> tuple[bool, float, bool | None]:
-    """(post-norm?, share of probed tokens that look normed, what the data set records) for a captured source: the
-    last slot must hold the state *before* the final norm (speculators' and eagle3kit's teacher applies the norm)."""
+PRE_NORM, POST_NORM_RECORDED, POST_NORM_UNRECORDED, RECORD_CONTRADICTED = (
+    "pre_norm", "post_norm_recorded", "post_norm_unrecorded", "record_contradicted")
+
+
+def final_slot(source, norm_weight, probe: int = 4) -> tuple[str, float]:
+    """(verdict, share of probed tokens that look normed) on a captured source's last slot, by record and by value:
+    ``pre_norm`` (the last layer's output before the final norm: the teacher norms it), ``post_norm_recorded`` (the
+    norm's output, recorded ``final_slot: post_norm``, a capture inside SGLang's prefill graph: the teacher takes it as
+    it is), ``post_norm_unrecorded`` (the norm's output with no record, e.g. another engine's states: normed again by
+    a teacher) or ``record_contradicted`` (recorded post-norm, but the values are not the norm's output)."""
     from eagle3kit.drafter.data import SampleError
 
     shares = []
@@ -54,8 +61,9 @@ def final_slot(source, norm_weight, probe: int = 4) -> tuple[bool, float, bool |
         except SampleError:
             continue
     share = max(shares) if shares else 0.0
-    recorded = source.info().final_pre_norm
-    return recorded is False or share > 0.5, share, recorded
+    if source.info().final_pre_norm is False:
+        return (POST_NORM_RECORDED if share > 0.5 else RECORD_CONTRADICTED), share
+    return (POST_NORM_UNRECORDED if share > 0.5 else PRE_NORM), share
 
 
 def check_data(data, target, probe: int = 4) -> Diagnosis:
@@ -65,19 +73,22 @@ def check_data(data, target, probe: int = 4) -> Diagnosis:
     from eagle3kit.target import resolve_target
 
     d = Diagnosis()
-    post, share, recorded = final_slot(open_source(data, None), TargetHead.from_target(resolve_target(target)).norm_weight,
-                                       probe)
-    if recorded is False and share > 0.5:
+    verdict, share = final_slot(open_source(data, None), TargetHead.from_target(resolve_target(target)).norm_weight,
+                                probe)
+    if verdict == POST_NORM_RECORDED:
         d.findings.append(Finding("ok", f"{data}: the final slot holds the final norm's output, as recorded "
                                   f"(final_slot post_norm: a capture inside SGLang's prefill graph; {share:.0%} of "
                                   f"probed tokens look normed); eagle3kit's teacher takes it as it is (speculators' "
                                   f"own trainer and its export would apply the norm again)"))
-    elif post:
+    elif verdict == POST_NORM_UNRECORDED:
         d.findings.append(Finding("error", f"{data}: the final slot holds post-norm states ({share:.0%} of probed tokens "
-                                  f"have RMS(state / norm weight) = 1; recorded as "
-                                  f"{'post-norm' if recorded is False else 'pre-norm'}); a trainer that applies the "
-                                  f"target's norm (speculators, eagle3kit) learns from twice-normed logits",
+                                  f"have RMS(state / norm weight) = 1; recorded as pre-norm); a trainer that applies "
+                                  f"the target's norm (speculators, eagle3kit) learns from twice-normed logits",
                                   "capture the last layer's output before the final norm (eagle3kit's final slot)"))
+    elif verdict == RECORD_CONTRADICTED:
+        d.findings.append(Finding("error", f"{data}: recorded final_slot post_norm, but only {share:.0%} of probed "
+                                  f"tokens have RMS(state / norm weight) = 1: not the target's final norm outputs",
+                                  "check the data set against the target it was captured from"))
     else:
         d.findings.append(Finding("ok", f"{data}: the final slot is the pre-norm state ({share:.0%} of probed tokens "
                                   f"look normed)"))

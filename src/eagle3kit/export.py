@@ -24,17 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3kit.store import StoreError, leaves_no_partial_dest, load_checked, new_folder, read_manifest
-
-
-def _post_norm(out_dir) -> bool:
-    """Whether the data set records its last slot as the final norm's output (``final_slot: post_norm``)."""
-    import json
-
-    from eagle3kit.store import SETTINGS
-
-    path = Path(out_dir) / SETTINGS
-    return path.exists() and json.loads(path.read_text()).get("final_slot", "pre_norm") == "post_norm"
+from eagle3kit.store import (StoreError, leaves_no_partial_dest, load_checked, new_folder, read_manifest,
+                             read_settings, records_post_norm)
 
 
 def _entries(out_dir, split):
@@ -79,7 +70,7 @@ def _done(out: dict, skipped: list) -> dict:
 def to_speculators(out_dir, dest, split: str = "train") -> dict:
     from datasets import Dataset
 
-    if _post_norm(out_dir):
+    if records_post_norm(read_settings(out_dir)):
         raise StoreError(f"{out_dir}: its last slot is the final norm's output (final_slot post_norm, a capture inside "
                          f"SGLang's prefill graph); speculators applies the target's norm to it again. Fix: export it "
                          f"to SpecForge (which trains on that state), train it with eagle3kit, or capture without "
@@ -121,7 +112,7 @@ def to_speculators(out_dir, dest, split: str = "train") -> dict:
 
 @leaves_no_partial_dest
 def to_specforge(out_dir, dest, split: str = "train") -> dict:
-    post = _post_norm(out_dir)
+    post = records_post_norm(read_settings(out_dir))
     out_dir, dest = Path(out_dir), new_folder(dest, "export")
     n = 0
     checked, skipped = _checked(out_dir, split)

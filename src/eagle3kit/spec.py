@@ -173,6 +173,15 @@ def final_post_norm(ref: dict, bounds: dict, layer_ids) -> tuple[dict, dict]:
     return {**ref, "hidden_states": hs}, {**bounds, layer_ids[-1]: bounds[FINAL_NORMED]}
 
 
+def check_capture(cap: dict, ids, ref: dict, layer_ids, bounds: dict, b16=None, post_norm: bool = False) -> list[dict]:
+    """``check_sample`` within this prompt's bounds (``prompt_bounds``); ``post_norm``: the capture's last slot is the
+    final norm's output (``final_post_norm``)."""
+    pb = prompt_bounds(bounds, ids, ref, b16)
+    if post_norm:
+        ref, pb = final_post_norm(ref, pb, layer_ids)
+    return check_sample(cap, ids, ref, layer_ids, pb)
+
+
 def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, rank: int = 0,
                          refs: dict | None = None, b16=None) -> list[dict]:
     """One row per (request, slot): the capture against the reference engine's state (``check_states``);
@@ -185,10 +194,8 @@ def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, ra
         ref = refs[key] if refs is not None and key in refs else reference.hidden(ids)
         if refs is not None:
             refs[key] = ref
-        pb = prompt_bounds(bounds, ids, ref, b16)
-        if meta.get("final_slot", "pre_norm") == "post_norm":
-            ref, pb = final_post_norm(ref, pb, meta["layer_ids"])
-        for r in check_sample(cap, ids, ref, meta["layer_ids"], pb):
+        for r in check_capture(cap, ids, ref, meta["layer_ids"], bounds, b16,
+                               meta.get("final_slot", "pre_norm") == "post_norm"):
             rows.append({"key": key, "n_tokens": len(ids), **r})
     return rows
 

@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 
 from eagle3kit import spec
-from eagle3kit.store import SETTINGS, StoreError, load_checked, read_manifest
+from eagle3kit.store import SETTINGS, StoreError, load_checked, read_manifest, records_post_norm
 
 
 def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibration: int = 2) -> dict:
@@ -26,7 +26,7 @@ def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibra
     if n < 1:
         raise StoreError(f"--reference {n}: give the number of samples to recompute (at least 1)")
     settings = json.loads((out_dir / SETTINGS).read_text())
-    post = settings.get("final_slot", "pre_norm") == "post_norm"  # the last slot against the reference's norm output
+    post = records_post_norm(settings)  # the last slot against the reference's norm output
     entries = sorted(read_manifest(out_dir).values(), key=lambda e: e["index"])
     if not entries:
         raise StoreError(f"{out_dir}: no samples to check")
@@ -41,10 +41,7 @@ def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibra
     rows = []
     for k, s in samples.items():
         r0 = refs.get(k) or ref.hidden(ids[k])
-        pb = spec.prompt_bounds(bounds, ids[k], r0, b16)
-        if post:
-            r0, pb = spec.final_post_norm(r0, pb, ref.layer_ids)
-        for r in spec.check_sample(s, ids[k], r0, ref.layer_ids, pb):
+        for r in spec.check_capture(s, ids[k], r0, ref.layer_ids, bounds, b16, post):
             rows.append({"key": k, **r})
     failed = sorted({r["key"] for r in rows if not r["ok"]})
     return {"checked": len(samples), "failed": failed, "rows": rows, "bounds": bounds}

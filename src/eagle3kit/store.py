@@ -161,6 +161,18 @@ def _fsync_path(path: Path) -> None:
 LATER_KEYS = {"split"}  # settings that data sets made before they existed do not record (a resume accepts those)
 
 
+def read_settings(out_dir) -> dict:
+    """A data set's settings (``extraction.json``); {} when it has none (a speculators export, an older eagle3kit)."""
+    path = Path(out_dir) / SETTINGS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def records_post_norm(settings: dict) -> bool:
+    """Whether a data set's settings record its last slot as the final norm's output (``final_slot: post_norm``:
+    captured inside SGLang's prefill graph, or derived); without the key it is the state before the norm."""
+    return settings.get("final_slot", "pre_norm") == "post_norm"
+
+
 def check_settings(out_dir: Path, settings: dict) -> None:
     """Write extraction.json on the first run; on a resume, refuse other settings (they would mix data sets)."""
     path = Path(out_dir) / SETTINGS
@@ -260,7 +272,7 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
     benchmarks/verify_throughput.py), and 03's checks of GPU data sets (17.8 GB in gpu-drafter-pipeline-10, 35 GB in
     -8) ran past their phase's limit. Problems are reported in the samples' order whatever the number of workers."""
     out_dir = require_dataset(out_dir)
-    settings = json.loads((out_dir / SETTINGS).read_text()) if (out_dir / SETTINGS).exists() else {}
+    settings = read_settings(out_dir)
     expected_states = expected_states or (len(settings["layer_ids"]) if "layer_ids" in settings else None)
     hidden_size = hidden_size or settings.get("hidden_size")
     rep, malformed = VerifyReport(), []
@@ -365,7 +377,7 @@ def derive(src, dest, storage: str | None = None, final_slot: str | None = None,
     settings = json.loads((src / SETTINGS).read_text())
     if final_slot not in (None, "pre_norm", "post_norm"):
         raise StoreError(f"final_slot={final_slot!r}: choose 'post_norm' (or leave it unset)")
-    if settings.get("final_slot", "pre_norm") == "post_norm":  # captured inside SGLang's prefill graph, or derived
+    if records_post_norm(settings):
         if final_slot == "pre_norm":
             raise StoreError(f"{src}: its last slot is the final norm's output (final_slot post_norm); the state "
                              f"before the norm cannot be recovered from it. Fix: capture without --prefill-graph")

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from eagle3kit.capture import graph_plugin
 from eagle3kit.capture.assemble import gather_index, select_rows
 from eagle3kit.capture.format import capture_metadata, fp8_encode_states, write_marker
 from eagle3kit.capture.rid import RID_PREFIX
@@ -241,8 +242,6 @@ class CaptureSession:
         (over the largest graph size, with input logprobs ...) arrives as it is."""
         if fb.rids is not None:
             return fb
-        from eagle3kit.capture import graph_plugin
-
         real = graph_plugin.STATE["batch"]
         if real is None:
             raise RuntimeError(f"prefill graph: no batch remembered from ModelRunner.forward: {graph_plugin.missing_reason()}")
@@ -255,20 +254,14 @@ class CaptureSession:
         """The slots from SGLang's aux states (``args[4]``, one [rows, H] per aux layer) and the final norm's output
         (``args[1]``): the first ``n`` rows are the batch's tokens (a graph pads to its bucket); copied now, since the
         next replay overwrites the graph's buffers."""
-        from eagle3kit.capture import graph_plugin
-
         aux = args[4] if len(args) > 4 else None
         want = self.n_slots - 1
         if not isinstance(aux, (list, tuple)) or len(aux) != want:
             got = len(aux) if isinstance(aux, (list, tuple)) else 0
             raise RuntimeError(f"prefill graph: {got} aux states from SGLang where {want} were set: "
                                f"{graph_plugin.missing_reason()}")
-        parts = list(aux) + [args[1]]
-        short = [tuple(x.shape) for x in parts if x.shape[0] < n]
-        if short:
-            raise RuntimeError(f"prefill graph: states with fewer rows than the batch's {n} tokens: {short}")
         self._block(st, args[1])
-        for i, x in enumerate(parts):
+        for i, x in enumerate(list(aux) + [args[1]]):  # fewer rows than the batch's fail in the copy
             st.states[:, i].copy_(self._rows(st, x[:n]))
             st.filled.add(i)
 

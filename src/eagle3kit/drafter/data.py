@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3kit.store import SETTINGS, StoreError, all_finite, read_manifest
+from eagle3kit.store import StoreError, all_finite, read_manifest, read_settings, records_post_norm
 
 
 class SampleError(ValueError):
@@ -45,7 +45,7 @@ class CaptureSource:
         if not (self.root / "manifest.jsonl").exists():
             raise StoreError(f"{self.root} is not an eagle3kit data set (no manifest.jsonl). Fix: pass the --out "
                              f"folder of `eagle3kit extract`, or a speculators export")
-        self.settings = json.loads((self.root / SETTINGS).read_text()) if (self.root / SETTINGS).exists() else {}
+        self.settings = read_settings(self.root)
         self.entries = sorted((e for e in read_manifest(self.root).values() if split is None or e.get("split") == split),
                               key=lambda e: e["index"])
         self.split = split
@@ -60,7 +60,7 @@ class CaptureSource:
         s = self.settings
         ids = s.get("layer_ids")
         return SourceInfo(ids, int(s.get("hidden_size", 0)), len(ids) if ids else 0, s.get("target"),
-                          s.get("final_slot", "pre_norm") == "pre_norm")
+                          not records_post_norm(s))
 
     def load(self, i: int) -> dict:
         from eagle3kit.store import load_checked

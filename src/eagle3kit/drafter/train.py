@@ -213,24 +213,22 @@ def _check_final_slot(cfg: TrainConfig, source, head) -> bool:
     value is the norm's output: taken as it is. A slot post-norm by value but not recorded so (another engine's
     states) is refused: normed again, the teacher would learn from a twice-normed state. ``allow_post_norm_final``
     reproduces that mistake on purpose (the acceptance experiment): the norm is applied whatever the slot holds."""
-    from eagle3kit.doctor import final_slot
+    from eagle3kit import doctor
 
-    post, share, recorded = final_slot(source, head.norm_weight)
+    verdict, share = doctor.final_slot(source, head.norm_weight)
     if cfg.allow_post_norm_final:
         return False
-    if recorded is False:
-        if share <= 0.5:
-            raise TrainError(f"{cfg.data}: recorded final_slot post_norm, but only {share:.0%} of probed tokens have "
-                             f"RMS(state / norm weight) = 1: these are not the target's final norm outputs (another "
-                             f"target, or a wrong record). Fix: train with the target the data was captured from")
-        return True
-    if post:
+    if verdict == doctor.RECORD_CONTRADICTED:
+        raise TrainError(f"{cfg.data}: recorded final_slot post_norm, but only {share:.0%} of probed tokens have "
+                         f"RMS(state / norm weight) = 1: these are not the target's final norm outputs (another "
+                         f"target, or a wrong record). Fix: train with the target the data was captured from")
+    if verdict == doctor.POST_NORM_UNRECORDED:
         raise TrainError(f"{cfg.data}: the last slot holds the final norm's output (post-norm: "
                          f"{share:.0%} of probed tokens have RMS(state / norm weight) = 1), but the data set does not "
                          f"record it (final_slot), so the teacher would apply the norm again and learn from logits of "
                          f"a twice-normed state. Fix: capture with eagle3kit (its final slot is the last layer's output "
                          f"before the norm, or recorded post_norm under --prefill-graph)")
-    return False
+    return verdict == doctor.POST_NORM_RECORDED
 
 
 def count_frequencies(source, vocab_size: int) -> torch.Tensor:
