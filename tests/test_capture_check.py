@@ -58,6 +58,57 @@ def test_each_mistake_is_rejected(setting, mistake, per_token):
         assert all(r["token_rel_err"] < bounds[r["layer_id"]] for r in failed)
 
 
+def _post_norm(cap: dict) -> dict:
+    """A capture as SGLang's prefill graph writes it (``final_slot: post_norm``): the final norm's output in the
+    last slot, no separate ``final_normed`` tensor."""
+    hs = cap["hidden_states"].clone()
+    hs[:, -1] = cap[spec.FINAL_NORMED]
+    return {"hidden_states": hs, "token_ids": cap["token_ids"]}
+
+
+@pytest.mark.parametrize("mistake", ["token shifted by one", "rows of the next request in the batch",
+                                     "neighbouring layer", "3 tokens corrupted", "final slot pre-norm"])
+def test_each_mistake_is_rejected_in_a_post_norm_capture(setting, mistake):
+    """The same mistakes in a capture whose last slot is post-norm (``prefill_graph``), checked as notebook 02 checks
+    it there (``negative_controls(..., post_norm=True)``): the real capture passes, each mistake fails, and the
+    final-slot mistake is the pre-norm state (the post-norm one is what the slot holds)."""
+    ref, prompts, bounds, caps, _ = setting
+    k, other = list(prompts)[2:4]
+    cap, cap1 = _post_norm(caps[k]), _post_norm(caps[other])
+    r0 = ref.hidden(prompts[k])
+    assert all(r["ok"] for r in spec.check_capture(cap, prompts[k], r0, ref.layer_ids, bounds, post_norm=True))
+    assert not all(r["ok"] for r in spec.check_capture(cap, prompts[k], r0, ref.layer_ids, bounds))
+    failing = spec.negative_controls(cap, cap1, prompts[k], ref, r0, bounds, post_norm=True)
+    assert set(failing) == {"token shifted by one", "rows of the next request in the batch", "neighbouring layer",
+                            "3 tokens corrupted", "final slot pre-norm"}
+    assert failing[mistake], f"{mistake} passed the check"
+    if mistake == "final slot pre-norm":
+        assert [r["layer_id"] for r in failing[mistake]] == [ref.layer_ids[-1]]  # that slot alone
+
+
+def test_identify_slots_names_the_state_each_file_says_it_holds(setting, tmp_path):
+    """The doctor's slot finder (notebook 02, claim 3) on a pre-norm and a post-norm file of the same tokens: each
+    slot is identified as the state its file's ``final_slot`` says; a post-norm slot in a file that says pre-norm
+    does not match."""
+    from eagle3kit.capture.format import capture_metadata, write_sample
+
+    ref, prompts, _, caps, _ = setting
+    k = next(iter(prompts))
+    layer_ids = list(ref.layer_ids)
+    for name, tensors, slot in (("pre", caps[k], "pre_norm"), ("post", _post_norm(caps[k]), "post_norm"),
+                                ("mislabelled", _post_norm(caps[k]), "pre_norm")):
+        meta = capture_metadata("test", "smollm2", 0, 1, layer_ids, layer_ids[-1], False, slot)
+        (tmp_path / name).mkdir()
+        write_sample(tmp_path / name, k, 0, {n: tensors[n] for n in ("hidden_states", "token_ids")}, meta)
+        rows = spec.identify_slots(tmp_path / name / f"{k}.rank0.safetensors", ref, prompts[k])
+        assert [r["expected"] for r in rows[:-1]] == [f"input_of_layer {j}" for j in layer_ids[:-1]]
+        assert all(r["matches"] for r in rows[:-1]), rows
+        last = rows[-1]
+        assert last["identified"] == ("final, post-norm" if name != "pre" else
+                                      f"input_of_layer {layer_ids[-1]} (final, pre-norm)"), last
+        assert last["matches"] == (name != "mislabelled"), last
+
+
 def test_token_bounds_raise_only_around_the_fragile_tokens():
     """A token whose own bf16 error is beyond what calibration saw raises the bound there and within the window,
     nowhere else; a capture as far off at that token passes, the same error on an ordinary token fails."""

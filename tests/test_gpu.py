@@ -72,15 +72,14 @@ def test_prefill_graph_capture_matches_reference(tmp_path_factory, tokenizer, ta
     on before the graphs are captured; the end hook reads them after each replay): 16 prompts in flight, chunked,
     every token of every slot within its bf16-calibrated bound of the reference, the last slot against the
     reference's post-norm state. The graph really ran (SGLang's own log: "cuda graph: True" on prefill batches), and
-    the check rejects the pre-norm state in the last slot and a neighbouring layer."""
-    import re
-
+    the check rejects each of the capture's mistakes on these files (the pre-norm state in the last slot among them)."""
     from eagle3kit.capture.client import CaptureClient
     from eagle3kit.capture.format import read_sample
     from eagle3kit.capture.reference import ReferenceEngine
     from eagle3kit.capture.server import capture_server
-    from eagle3kit.spec import (all_reference_states, calibrate_bounds, calibration_set, check_capture,
-                                compare_to_reference, probe_prompts)
+    from eagle3kit.spec import (calibrate_bounds, calibration_set, check_capture,
+                                compare_to_reference, graph_prefills, negative_controls,
+                                probe_prompts)
 
     d = tmp_path_factory.mktemp("graph")
     # beside the module's server (alive until the module ends): a --mem-fraction-static counts what it holds
@@ -91,9 +90,8 @@ def test_prefill_graph_capture_matches_reference(tmp_path_factory, tokenizer, ta
         client = CaptureClient(s.url, s.capture["capture_dir"])
         markers = client.capture_many(prompts.items(), concurrency=16)
         status = client.status()["rank0"]
-    log = (d / "sglang.log").read_text(errors="replace")
-    graphed = len(re.findall(r"Prefill batch.*cuda graph: True", log))
-    eager = len(re.findall(r"Prefill batch.*cuda graph: False", log))
+    prefills = graph_prefills(d / "sglang.log")
+    graphed, eager = prefills["graphed"], prefills["eager"]
     out = os.environ.get("E3K_TEST_OUT")
     if out:  # the server's log beside the test's record
         import shutil
@@ -117,14 +115,15 @@ def test_prefill_graph_capture_matches_reference(tmp_path_factory, tokenizer, ta
 
         update_json(os.path.join(out, "metrics.json"), figures)
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]][:3]
-    # what the check rejects on these files: the pre-norm final state where the post-norm one is, a neighbour layer
-    key, ids = next(iter(prompts.items()))
+    # what the check rejects on these files: each of the capture's mistakes, the final-slot one being the pre-norm
+    # state where the post-norm one is recorded (spec.negative_controls, as notebook 02 shows them)
+    (key, ids), (key1, _) = list(prompts.items())[:2]
     cap, meta = read_sample(d / "captures" / f"{key}.rank0.safetensors")
+    cap1, _ = read_sample(d / "captures" / f"{key1}.rank0.safetensors")
     assert meta["final_slot"] == "post_norm"
     r0 = ref.hidden(ids)
     assert all(r["ok"] for r in check_capture(cap, ids, r0, meta["layer_ids"], bounds, post_norm=True))
     # checked as if the last slot held the pre-norm state: that slot fails
     assert not [r for r in check_capture(cap, ids, r0, meta["layer_ids"], bounds) if r["layer_id"] == 30][0]["ok"]
-    shifted = cap["hidden_states"].clone()
-    shifted[:, 0] = all_reference_states(ref, ids)["input_of_layer 3"].to(shifted.dtype)
-    assert not check_capture({**cap, "hidden_states": shifted}, ids, r0, meta["layer_ids"], bounds, post_norm=True)[0]["ok"]
+    failing = negative_controls(cap, cap1, ids, ref, r0, bounds, post_norm=True)
+    assert "final slot pre-norm" in failing and all(failing.values()), {k: bool(v) for k, v in failing.items()}

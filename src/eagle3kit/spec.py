@@ -200,10 +200,12 @@ def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, ra
     return rows
 
 
-def corruptions(cap: dict, other: dict, candidates: dict, layer_ids: list[int], k: int = 4) -> dict:
+def corruptions(cap: dict, other: dict, candidates: dict, layer_ids: list[int], k: int = 4,
+                post_norm: bool = False) -> dict:
     """The mistakes the capture check must reject, made from a real capture ``cap`` (tensors as read), another
     request's capture ``other`` and the reference's every state (``all_reference_states``) for ``cap``'s tokens:
-    name -> corrupted copy of ``cap``."""
+    name -> corrupted copy of ``cap``. ``post_norm``: ``cap``'s last slot is the final norm's output (``final_slot:
+    post_norm``), and the final-slot mistake is then the other state: the pre-norm one."""
     hs = cap["hidden_states"]
     out = {}
 
@@ -224,19 +226,28 @@ def corruptions(cap: dict, other: dict, candidates: dict, layer_ids: list[int], 
     rows = torch.randperm(hs.shape[0], generator=g)[:3]
     few[rows, len(layer_ids) // 2] = few[(rows + hs.shape[0] // 2) % hs.shape[0], len(layer_ids) // 2]
     out["3 tokens corrupted"] = with_hs(few)
-    post = hs.clone()
-    post[:, -1] = candidates["final, post-norm"].to(hs.dtype)
-    out["final slot post-norm"] = with_hs(post)
+    final = hs.clone()
+    if post_norm:
+        final[:, -1] = candidates[f"input_of_layer {layer_ids[-1]} (final, pre-norm)"].to(hs.dtype)
+        out["final slot pre-norm"] = with_hs(final)
+    else:
+        final[:, -1] = candidates["final, post-norm"].to(hs.dtype)
+        out["final slot post-norm"] = with_hs(final)
     return out
 
 
-def negative_controls(cap: dict, other: dict, ids, reference, ref: dict, bounds: dict) -> dict:
+def negative_controls(cap: dict, other: dict, ids, reference, ref: dict, bounds: dict,
+                      post_norm: bool = False) -> dict:
     """Each of ``corruptions`` of the real capture ``cap`` (tokens ``ids``; ``other``: another request's capture;
     ``ref``: the reference's tensors for ``ids``) through ``check_sample``: mistake -> the rows of the slots that
-    failed (an empty list is a mistake the check let through)."""
+    failed (an empty list is a mistake the check let through). ``post_norm``: ``cap``'s last slot is the final norm's
+    output, checked as ``check_capture`` checks it (``final_post_norm``)."""
     cands = all_reference_states(reference, ids)
-    return {name: [r for r in check_sample(bad, ids, ref, reference.layer_ids, bounds) if not r["ok"]]
-            for name, bad in corruptions(cap, other, cands, reference.layer_ids).items()}
+    layer_ids = reference.layer_ids
+    if post_norm:
+        ref, bounds = final_post_norm(ref, bounds, layer_ids)
+    return {name: [r for r in check_sample(bad, ids, ref, layer_ids, bounds) if not r["ok"]]
+            for name, bad in corruptions(cap, other, cands, layer_ids, post_norm=post_norm).items()}
 
 
 def all_reference_states(reference, ids) -> dict:
@@ -253,22 +264,31 @@ def all_reference_states(reference, ids) -> dict:
 
 
 def identify_slots(capture_file, reference, ids) -> list[dict]:
-    """For each captured slot: which reference state it is closest to (the doctor's offset finder)."""
+    """For each captured slot: which reference state it is closest to (the doctor's offset finder), and which one
+    the file says it holds (``expected``: the input of its layer; for the last slot of a ``final_slot: post_norm``
+    file, the final norm's output). ``matches``: the two agree."""
     cap, meta = read_sample(capture_file)
     cands = all_reference_states(reference, ids)
+    last = len(meta["layer_ids"]) - 1
     out = []
     for j, layer in enumerate(meta["layer_ids"]):
         best, err, errs = identify(cap["hidden_states"][:, j], cands)
         neighbours = sorted(e for n, e in errs.items() if n != best)[:1]
-        out.append({"configured": layer, "identified": best, "token_rel_err": err,
+        expected = ("final, post-norm" if j == last and meta.get("final_slot") == "post_norm"
+                    else f"input_of_layer {layer}")
+        out.append({"configured": layer, "expected": expected, "identified": best,
+                    "matches": best.split(" (")[0] == expected, "token_rel_err": err,
                     "next_best_token_rel_err": neighbours[0] if neighbours else float("nan")})
     return out
 
 
 def observe_sglang(path, aux, prompts: dict, work: Path, server_args=(), port: int = 30200, chunk_size: int = 64,
-                   decode_tokens: int = 8) -> dict:
+                   decode_tokens: int = 8, prefill_graph: bool = False) -> dict:
     """Everything the capture spec asserts, observed on two real capture servers started side by side:
-    one without chunked prefill, one with ``--chunked-prefill-size chunk_size`` and the radix cache on."""
+    one without chunked prefill, one with ``--chunked-prefill-size chunk_size`` and the radix cache on.
+    ``prefill_graph``: both capture with SGLang's prefill CUDA graph kept on (``capture.graph_plugin``; the last slot
+    is then the final norm's output, and no separate ``final_normed`` tensor is kept); ``graph_prefills``: each
+    server's prefill batches that ran on a graph and eagerly (SGLang's own log)."""
     import requests
 
     from eagle3kit.capture.client import CaptureClient
@@ -277,10 +297,12 @@ def observe_sglang(path, aux, prompts: dict, work: Path, server_args=(), port: i
     dirs = {"plain": work / "unchunked", "chunked": work / "chunked"}
     # one GPU, two servers: each --mem-fraction-static counts what the earlier one holds, so they start in turn
     servers = {
-        "plain": capture_server(path, dirs["plain"], aux, port=port, final_normed=True,
+        "plain": capture_server(path, dirs["plain"], aux, port=port, final_normed=not prefill_graph,
+                                prefill_graph=prefill_graph,
                                 extra_args=[*server_args, "--chunked-prefill-size", "-1", "--mem-fraction-static",
                                             "0.2"], log_path=work / "sglang-unchunked.log"),
-        "chunked": capture_server(path, dirs["chunked"], aux, port=port + 1, final_normed=True,
+        "chunked": capture_server(path, dirs["chunked"], aux, port=port + 1, final_normed=not prefill_graph,
+                                  prefill_graph=prefill_graph,
                                   extra_args=[*server_args, "--chunked-prefill-size", str(chunk_size),
                                               "--mem-fraction-static", "0.45"], log_path=work / "sglang-chunked.log"),
     }
@@ -316,7 +338,19 @@ def observe_sglang(path, aux, prompts: dict, work: Path, server_args=(), port: i
     finally:
         for s in servers.values():
             s.stop()
+    obs["graph_prefills"] = {k: graph_prefills(work / f"sglang-{n}.log")
+                             for k, n in (("plain", "unchunked"), ("chunked", "chunked"))}
     return obs
+
+
+def graph_prefills(log_path) -> dict:
+    """Prefill batches in an SGLang server's log that ran on its prefill CUDA graph and eagerly (SGLang 0.5.14 logs
+    ``Prefill batch, ... cuda graph: True|False`` for each)."""
+    import re
+
+    text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
+    return {"graphed": len(re.findall(r"Prefill batch.*cuda graph: True", text)),
+            "eager": len(re.findall(r"Prefill batch.*cuda graph: False", text))}
 
 
 def observe_reference(reference, prompts: dict, work: Path, chunk_size: int = 64) -> dict:
