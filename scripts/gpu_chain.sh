@@ -86,6 +86,13 @@
 # + 155 s, all complete; one machine held throughout (the stage's 19 parts and the install: ~4.5 min of the lease).
 # Next: the drafter chain on --prefill-graph data (E3K_DATA_SETS="--set 03_extract.prefill_graph=true", final_normed
 # off; the postnorm control then trains on the main data with allow_post_norm_final), and graph capture in fp8.
+# The twenty-fourth session (2026-12-03): E3K_CHAIN="deepseek+kimi@25+tests@90:660 faults:540" with
+# E3K_FAMILY_ARGS="--only 02_capture_spec 03_extract --set 02_capture_spec.prefill_graph=true --set
+# 03_extract.prefill_graph=true", E3K_TESTS_K="not faults", E3K_FAULTS_K="not load_256" E3K_FAULTS_TRIAL=0: the family
+# 289-298 s (02's claim 5 failed, fixed), tests 555 s (7 passed), faults 430 s (3 passed); the fixed family ran as a
+# second lane (E3K_CHAIN="deepseek+kimi@25:420", log /root/chain-lane2.log) beside faults, 336 s. The poll sends a
+# finished archive once: E3K_POLL_ALL=1 fetches a phase's archive again after a second lane rewrote it. 22.4 min used.
+# The tracked tree is 46 MiB after it: a 16-MiB part leaves under 2 MiB; re-split to 14 MiB (22 parts) next time.
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged; after -13
