@@ -92,7 +92,8 @@
 # 289-298 s (02's claim 5 failed, fixed), tests 555 s (7 passed), faults 430 s (3 passed); the fixed family ran as a
 # second lane (E3K_CHAIN="deepseek+kimi@25:420", log /root/chain-lane2.log) beside faults, 336 s. The poll sends a
 # finished archive once: E3K_POLL_ALL=1 fetches a phase's archive again after a second lane rewrote it. 22.4 min used.
-# The tracked tree is 46 MiB after it: a 16-MiB part leaves under 2 MiB; re-split to 14 MiB (22 parts) next time.
+# The tracked tree is 46.8 MiB after it: a 16-MiB part no longer fits (the device tool refused the call); .stage was
+# re-split to 14 MiB (22 parts; install.sh want=22) and served a second machine (start 41 s, install and setup 90 s).
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged; after -13
