@@ -180,3 +180,21 @@ def test_plugin_problem_names_a_missing_entry_point_and_a_whitelist_that_leaves_
     assert plugin_problem({"SGLANG_PLUGINS": "other,eagle3kit"}) is None
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])  # a Python without eagle3kit installed
     assert "no entry point 'eagle3kit'" in plugin_problem({})
+
+
+def test_the_extraction_reports_what_sglang_ran_on_its_prefill_graph(tmp_path):
+    """``pipeline.prefill_graph_report`` on SGLang 0.5.14's own log lines: the batches on the graph and eager, and a
+    note only when none ran on the graph (Kimi-K2.5's wrapper: SGLang turns the graph off for multimodal models)."""
+    from eagle3kit.pipeline import prefill_graph_report
+
+    line = ("[2026-12-03 19:25:11] Prefill batch, #new-seq: 6, #new-token: 8192, #cached-token: 0, token usage: 0.00, "
+            "#running-req: 1, #queue-req: 32, #pending-token: 49483, cuda graph: {}, input throughput (token/s): 1.0\n")
+    decode = "[2026-12-03 19:25:12] Decode batch, #running-req: 1, #token: 77, cuda graph: True, gen throughput: 9.9\n"
+    log = tmp_path / "sglang.log"
+    log.write_text(line.format("True") * 9 + line.format("False") + decode * 3)
+    assert prefill_graph_report(log) == {"prefill_batches_graphed": 9, "prefill_batches_eager": 1}
+    log.write_text(line.format("False") * 10 + decode)
+    r = prefill_graph_report(log)
+    assert (r["prefill_batches_graphed"], r["prefill_batches_eager"]) == (0, 10)
+    assert "all 10 prefill batches eagerly" in r["prefill_graph_note"]
+    assert prefill_graph_report(tmp_path / "missing.log") == {"prefill_batches_graphed": 0, "prefill_batches_eager": 0}
