@@ -94,6 +94,7 @@
 # finished archive once: E3K_POLL_ALL=1 fetches a phase's archive again after a second lane rewrote it. 22.4 min used.
 # The tracked tree is 46.8 MiB after it: a 16-MiB part no longer fits (the device tool refused the call); .stage was
 # re-split to 14 MiB (22 parts; install.sh want=22) and served a second machine (start 41 s, install and setup 90 s).
+# scripts/restage.sh does that re-split for whatever size the tree has reached (run it before a GPU session).
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged; after -13
