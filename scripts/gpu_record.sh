@@ -22,6 +22,9 @@
 #     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free);
 #     E3K_BENCH_ARGS: more of its arguments (e.g. "--passes compute --ab attention=sdpa")
 #   tests: the GPU tests (pytest -m gpu), E3K_TESTS_K: pytest -k to run some of them
+#   breakeven: benchmarks/spec_breakeven.py (#11: each setting's break-even accept length at batch 1 with an untrained
+#     drafter, no data or training needed); E3K_BE_SETTINGS (e.g. "3,1,4 5,1,6 7,1,8 5,4,8"), E3K_BE_VARIANTS (JSON:
+#     name -> SGLang flags of that variant's plain and speculative servers), E3K_BE_ROUNDS (3), E3K_BE_PROMPTS (16)
 #   E3K_TRAIN_MINUTES: the trainings' wall-clock budget (default 6); E3K_TRAIN_STEPS: the same steps for all of them;
 #   E3K_MAX_SAMPLES (2000); E3K_DATA_CONTROLS and
 #   E3K_CONTROLS: which controls' data to make and which to train (default all; empty: none); E3K_DATA_SETS,
@@ -197,6 +200,11 @@ for what in ${phases//,/ }; do
           python3 benchmarks/writeback_ab.py --out "$rec/writeback" --rounds ${E3K_WB_ROUNDS:-4} --kimi \
             --forwards ${E3K_WB_FORWARDS:-40} --storage bf16 --dir /root/wb 2>&1 | tee "$rec/writeback.log"
         fi ;;
+    breakeven)
+        $stop python3 benchmarks/spec_breakeven.py --out "$rec" ${E3K_BE_SETTINGS:+--settings $E3K_BE_SETTINGS} \
+          ${E3K_BE_VARIANTS:+--variants "$E3K_BE_VARIANTS"} --rounds ${E3K_BE_ROUNDS:-3} --prompts ${E3K_BE_PROMPTS:-16} \
+          --server-args --attention-backend triton --sampling-backend pytorch 2>&1 | tee "$rec/bench.log"
+        rc=${PIPESTATUS[0]} ;;
     tests) E3K_TEST_OUT="$rec" $stop python3 -m pytest -m gpu -v -p no:cacheprovider ${E3K_TESTS_K:+-k "$E3K_TESTS_K"} tests 2>&1 \
         | tee "$rec/pytest.log"; rc=${PIPESTATUS[0]} ;;
     faults) rc=0  # the bad-input trial (CPU work, minutes) beside the GPU tests; both merge into the phase's metrics.json

@@ -421,11 +421,29 @@ def heldout_prompts(data_dir, tokenizer, n: int, max_prompt_tokens: int = 1024, 
     data_dir = Path(data_dir)
     held = [e for e in read_manifest(data_dir).values() if e.get("split") == "heldout"]
     ids_wanted = {e["conv_id"] for e in held}
-    convs = _conversations(data_dir)
+    convs = [c for c in _conversations(data_dir) if c["id"] in ids_wanted]
+    conv_ids, prompts = _first_turn_prompts(convs, tokenizer, n, max_prompt_tokens)
+    return (conv_ids, prompts) if with_ids else prompts
+
+
+def chat_prompts(tokenizer, n: int, max_prompt_tokens: int = 1024, data: str = "embedded:sharegpt") -> list:
+    """``n`` prompts as a served target sees them, without a data set: the first user turn(s) of ``data``'s
+    conversations in the target's chat template with its generation prompt (``heldout_prompts``' rendering)."""
+    from eagle3kit.data.conversations import load_conversations
+
+    convs, _ = load_conversations(data, limit=4 * n + 16)
+    _, prompts = _first_turn_prompts(convs, tokenizer, n, max_prompt_tokens)
+    if len(prompts) < n:
+        raise ValueError(f"{data}: only {len(prompts)} of {n} conversations open with a user turn of at most "
+                         f"{max_prompt_tokens} tokens")
+    return prompts
+
+
+def _first_turn_prompts(convs, tokenizer, n: int, max_prompt_tokens: int) -> tuple[list, list]:
+    """(conversation ids, token ids) of up to ``n`` conversations: each one's turns before its first assistant turn,
+    ending on a user turn, rendered with the chat template and its generation prompt, at most ``max_prompt_tokens``."""
     prompts, conv_ids = [], []
     for c in convs:
-        if c["id"] not in ids_wanted:
-            continue
         msgs = []
         for m in c["messages"]:
             if m["role"] == "assistant":
@@ -440,4 +458,4 @@ def heldout_prompts(data_dir, tokenizer, n: int, max_prompt_tokens: int = 1024, 
             conv_ids.append(c["id"])
         if len(prompts) >= n:
             break
-    return (conv_ids, prompts) if with_ids else prompts
+    return conv_ids, prompts

@@ -1,0 +1,123 @@
+"""The break-even accept length of SGLang's speculative decoding before any drafter is trained.
+
+At batch 1 a speculative server emits ``accept_length`` tokens per verify cycle, so it beats plain decoding when
+``accept_length > cycle time / plain decode step time``: the break-even. That ratio is the cost of the cycle (draft
+steps, verify, the draft's extend, the scheduler's work around them) and does not depend on what the drafter has
+learnt: an untrained drafter of the shape eagle3kit trains (one layer, the target's width, the draft vocabulary)
+costs what a trained one costs per cycle. It only accepts less (about 1 token a cycle), which the figure divides
+out: break-even = accept length x plain tokens/s / speculative tokens/s, per round, the two servers timed prompt by
+prompt in turn (``online.measure_interleaved``).
+
+So a user learns, for a target and SGLang's settings (steps, topk, draft tokens, attention backend, graphs), how
+long an accept length a drafter needs before speculation pays, in minutes and before capturing anything; and the
+settings that lower it (#11) can be searched without training a drafter per trial. ``benchmarks/spec_breakeven.py``
+runs it on the GPU.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+from eagle3kit.acceptance.online import Serving
+
+SETTING = re.compile(r"^(\d+),(\d+),(\d+)$")
+
+
+def untrained_drafter(target_path, dest, draft_vocab_size: int, aux_layer_ids=None) -> Path:
+    """An SGLang draft directory of eagle3kit's drafter shape for ``target_path`` with untrained layers (speculators'
+    initialisation; embeddings and the draft ``lm_head`` from the target, as training starts): what a trained one
+    costs per cycle in SGLang. Its draft vocabulary is the ``draft_vocab_size`` lowest token ids (their count is
+    what costs, not which they are). ``aux_layer_ids``: input-of-layer ids (default: SGLang's own default layers)."""
+    import torch
+
+    from eagle3kit.drafter import vocab as V
+    from eagle3kit.drafter.export import to_sglang
+    from eagle3kit.drafter.model import build
+    from eagle3kit.layers import sglang_default_aux
+    from eagle3kit.target import TargetInfo
+
+    info = TargetInfo.read(Path(target_path))
+    aux = [int(k) for k in aux_layer_ids] if aux_layer_ids else sglang_default_aux(info.num_layers)
+    vocab = V.build(torch.zeros(info.vocab_size, dtype=torch.int64), min(int(draft_vocab_size), info.vocab_size))
+    model = build(target_path, aux, vocab)
+    return to_sglang(model, vocab, dest, target_path, aux,
+                     provenance={"untrained": True, "purpose": "the speculative cycle's cost (acceptance.breakeven)"})
+
+
+def parse_setting(text: str) -> tuple[int, int, int]:
+    """``"steps,topk,draft_tokens"`` as SGLang's ``--speculative-num-steps/-eagle-topk/-num-draft-tokens`` take
+    them; a chain (topk 1) drafts ``steps + 1`` tokens."""
+    m = SETTING.match(text.strip())
+    if not m:
+        raise ValueError(f"setting {text!r}: give steps,topk,draft_tokens, e.g. 3,1,4 (a chain) or 5,4,8 (a tree)")
+    steps, topk, tokens = map(int, m.groups())
+    if steps < 1 or topk < 1 or tokens < 2:
+        raise ValueError(f"setting {text!r}: steps and topk at least 1, draft tokens at least 2")
+    if topk == 1 and tokens != steps + 1:
+        raise ValueError(f"setting {text!r}: a chain (topk 1) of {steps} steps verifies {steps + 1} draft tokens; "
+                         f"give {steps},1,{steps + 1}")
+    return steps, topk, tokens
+
+
+def plan(drafter, settings, variants: dict) -> list[Serving]:
+    """The servers to time: for each variant (name -> extra SGLang flags, given to its plain server and its
+    speculative ones alike, e.g. ``{"base": [], "fi": ["--attention-backend", "flashinfer"]}``), plain and one
+    speculative server per setting. Names: ``plain-<variant>``, ``<variant>-<steps>-<topk>-<tokens>``."""
+    if not variants:
+        raise ValueError("no variant: give at least one, e.g. {'base': []}")
+    out = []
+    for v, flags in variants.items():
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", v):
+            raise ValueError(f"variant {v!r}: letters and digits only (it names servers and metrics)")
+        out.append(Serving(f"plain-{v}", None, extra_args=list(flags)))
+        for s in settings:
+            steps, topk, tokens = parse_setting(s) if isinstance(s, str) else s
+            out.append(Serving(f"{v}-{steps}-{topk}-{tokens}", str(drafter), steps, topk, tokens, list(flags)))
+    return out
+
+
+def breakeven_rounds(plain: dict, spec: dict) -> list[dict]:
+    """Per round (batch 1, as ``online.measure_servers`` gives one concurrency of two servers timed in turn): plain's
+    milliseconds a token, the speculative cycle's milliseconds (accept length tokens each), and their ratio, the
+    break-even accept length."""
+    rows = []
+    for p, s in zip(plain.get("rounds", []), spec.get("rounds", [])):
+        acc, p_tps, s_tps = s.get("accept_length"), p["output_tokens_per_s"], s["output_tokens_per_s"]
+        if not acc or not p_tps or not s_tps:
+            continue
+        rows.append({"plain_ms_per_token": 1000.0 / p_tps, "cycle_ms": 1000.0 * acc / s_tps, "accept_length": acc,
+                     "breakeven_accept_length": acc * p_tps / s_tps})
+    return rows
+
+
+def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]]:
+    """Flat metrics and one table row per speculative server from ``online.measure_servers``' result at batch 1:
+    the break-even's median over rounds, every round, and its spread ((max - min) / median); the cycle's and plain's
+    milliseconds (medians); the untrained drafter's accept length (about 1: what a trained one adds is the point)."""
+    metrics, table = {}, []
+    plains = {s.name[len("plain-"):]: s.name for s in servings if s.drafter is None}
+    for s in servings:
+        if s.drafter is None:
+            continue
+        variant = s.name.split("-")[0]
+        plain, spec = measured.get(plains[variant], {}).get(1), measured.get(s.name, {}).get(1)
+        rows = breakeven_rounds(plain or {}, spec or {})
+        if not rows:
+            continue
+        be = [r["breakeven_accept_length"] for r in rows]
+        med = statistics.median(be)
+        key = s.name.replace("-", "_")
+        metrics.update({f"breakeven_{key}": med, f"breakeven_{key}_rounds": be,
+                        f"breakeven_{key}_spread": (max(be) - min(be)) / med if med else 0.0,
+                        f"cycle_ms_{key}": statistics.median(r["cycle_ms"] for r in rows),
+                        f"plain_ms_per_token_{key}": statistics.median(r["plain_ms_per_token"] for r in rows),
+                        f"untrained_accept_length_{key}": statistics.fmean(r["accept_length"] for r in rows)})
+        table.append({"variant": variant, "setting": f"({s.steps},{s.topk},{s.draft_tokens})",
+                      "plain ms/token": metrics[f"plain_ms_per_token_{key}"], "cycle ms": metrics[f"cycle_ms_{key}"],
+                      "break-even": med, "rounds": " ".join(f"{x:.2f}" for x in be),
+                      "untrained accept": metrics[f"untrained_accept_length_{key}"]})
+    if table:
+        best = min(table, key=lambda r: r["break-even"])
+        metrics.update(breakeven_best=best["break-even"], breakeven_best_setting=f"{best['variant']} {best['setting']}")
+    return metrics, table

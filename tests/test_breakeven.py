@@ -1,0 +1,82 @@
+"""The break-even benchmark's pure parts (acceptance.breakeven; the servers run on the GPU,
+benchmarks/spec_breakeven.py): the untrained drafter SGLang would load, the settings and servers planned, and the
+break-even taken per round from the timings."""
+import pytest
+
+from eagle3kit.acceptance import breakeven as B
+
+
+def test_the_untrained_drafter_is_an_export_sglang_loads_and_the_doctor_passes(tmp_path, target_path):
+    import json
+
+    from eagle3kit.doctor import diagnose
+    from eagle3kit.drafter.export import load_sglang_export
+
+    d = B.untrained_drafter(target_path, tmp_path / "untrained", 512)
+    model, cfg, meta = load_sglang_export(d)  # refuses tensors SGLang would drop or leave uninitialised
+    assert cfg["draft_vocab_size"] == 512 and cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert meta["untrained"] is True and meta["capture_layer_ids"] == [2, 15, 27, 30]  # SGLang's default layers
+    assert diagnose(d).ok  # the layer ids SGLang reads feed the layers it was built for
+    assert json.loads((d / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+
+
+@pytest.mark.parametrize("text, want", [("3,1,4", (3, 1, 4)), (" 5,4,8 ", (5, 4, 8)), ("1,1,2", (1, 1, 2))])
+def test_settings_parse(text, want):
+    assert B.parse_setting(text) == want
+
+
+@pytest.mark.parametrize("text, why", [("3,1,5", "verifies 4 draft tokens"), ("0,1,1", "at least"),
+                                       ("3-1-4", "steps,topk,draft_tokens"), ("3,1", "steps,topk,draft_tokens")])
+def test_settings_that_sglang_would_not_run_as_meant_are_refused(text, why):
+    with pytest.raises(ValueError, match=why):
+        B.parse_setting(text)
+
+
+def test_plan_gives_each_variant_its_plain_server_and_one_per_setting():
+    fi = ["--attention-backend", "flashinfer"]
+    servings = B.plan("/d", ["3,1,4", (5, 4, 8)], {"base": [], "fi": fi})
+    assert [s.name for s in servings] == ["plain-base", "base-3-1-4", "base-5-4-8", "plain-fi", "fi-3-1-4", "fi-5-4-8"]
+    by = {s.name: s for s in servings}
+    assert by["plain-fi"].drafter is None and by["plain-fi"].args() == fi
+    assert by["fi-5-4-8"].args()[-2:] == fi and "--speculative-eagle-topk" in by["fi-5-4-8"].args()
+    with pytest.raises(ValueError, match="letters and digits"):
+        B.plan("/d", ["3,1,4"], {"my-variant": []})
+    with pytest.raises(ValueError, match="no variant"):
+        B.plan("/d", ["3,1,4"], {})
+
+
+def _rounds(tps, accept=None):
+    return {1: {"rounds": [{"output_tokens_per_s": t, **({"accept_length": a} if accept else {})}
+                           for t, a in zip(tps, accept or [None] * len(tps))]}}
+
+
+def test_breakeven_is_taken_per_round_as_cycle_over_plain_step():
+    """Round i of a speculative server against round i of its variant's plain one: 700 tokens/s plain, 250 with
+    1.0 accepted a cycle, is a cycle of 4 ms against 1.43 ms a token: break-even 2.8."""
+    servings = B.plan("/d", ["3,1,4", "7,1,8"], {"base": []})
+    measured = {"plain-base": _rounds([700.0, 720.0, 680.0]),
+                "base-3-1-4": _rounds([250.0, 240.0, 272.0], [1.0, 1.0, 1.0]),
+                "base-7-1-8": _rounds([200.0, 0.0, 170.0], [1.1, 1.1, 1.0])}  # a round without tokens is left out
+    m, table = B.summarize(measured, servings)
+    assert m["breakeven_base_3_1_4_rounds"] == pytest.approx([2.8, 3.0, 2.5])
+    assert m["breakeven_base_3_1_4"] == pytest.approx(2.8)
+    assert m["breakeven_base_3_1_4_spread"] == pytest.approx(0.5 / 2.8)
+    assert m["cycle_ms_base_3_1_4"] == pytest.approx(4.0) and m["plain_ms_per_token_base_3_1_4"] == pytest.approx(1000 / 700)
+    assert m["breakeven_base_7_1_8_rounds"] == pytest.approx([1.1 * 700 / 200, 1.0 * 680 / 170])
+    assert m["breakeven_best_setting"] == "base (3,1,4)" and m["breakeven_best"] == pytest.approx(2.8)
+    assert [r["setting"] for r in table] == ["(3,1,4)", "(7,1,8)"]
+    # a server that never produced a round is absent, not a zero
+    m2, _ = B.summarize({"plain-base": _rounds([700.0]), "base-3-1-4": {}}, servings[:2])
+    assert m2 == {}
+
+
+def test_chat_prompts_are_first_user_turns_with_the_generation_prompt(tokenizer):
+    from eagle3kit.acceptance.online import chat_prompts
+
+    prompts = chat_prompts(tokenizer, 5, max_prompt_tokens=300)
+    assert len(prompts) == 5 and all(0 < len(p) <= 300 for p in prompts)
+    for p in prompts:
+        text = tokenizer.decode(p)
+        assert text.rstrip().endswith("assistant") and text.count("<|im_start|>user") >= 1, text[-80:]
+    with pytest.raises(ValueError, match="only"):
+        chat_prompts(tokenizer, 3, max_prompt_tokens=5)
