@@ -95,6 +95,9 @@
 # The tracked tree is 46.8 MiB after it: a 16-MiB part no longer fits (the device tool refused the call); .stage was
 # re-split to 14 MiB (22 parts; install.sh want=22) and served a second machine (start 41 s, install and setup 90 s).
 # scripts/restage.sh does that re-split for whatever size the tree has reached (run it before a GPU session).
+# Next: breakeven:420 (benchmarks/spec_breakeven.py, untrained drafter: no data or training; E3K_BE_VARIANTS=
+# '{"base": [], "compile": ["--enable-torch-compile"]}', 10 servers) before the drafter chain on --prefill-graph
+# data; its (3,1,4) cycle against -13's trained 4.1 ms tests the premise that the cycle's cost ignores the weights.
 # The tree that travels with each call grows with the records (38 MiB of files after -12, on 2026-12-02): the
 # SGLang bundle's parts must leave room under the 64-MiB limit (re-split .stage: cat the parts, `split -b` 18 MiB or
 # less, 17 parts, and set install.sh's want= to the new count; its sha256 is of the whole bundle, unchanged; after -13
