@@ -20,6 +20,20 @@ def test_the_untrained_drafter_is_an_export_sglang_loads_and_the_doctor_passes(t
     assert json.loads((d / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
 
 
+@pytest.mark.parametrize("target", ["embedded:deepseek-v3-tiny", "embedded:kimi-k25-tiny"])
+def test_the_untrained_drafter_of_the_users_family_is_read_by_the_deepseek_rule(tmp_path, target):
+    """For a DeepSeek-V3 or Kimi-K2.5 target the export's ids are the input-of-layer ids themselves (SGLang's
+    deepseek_v2.py adds 1 only when the first id is 1), and the doctor passes it."""
+    import json
+
+    from eagle3kit.doctor import diagnose
+    from eagle3kit.target import resolve_target
+
+    d = B.untrained_drafter(resolve_target(target), tmp_path / "untrained", 1024)
+    assert json.loads((d / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert diagnose(d).ok
+
+
 @pytest.mark.parametrize("text, want", [("3,1,4", (3, 1, 4)), (" 5,4,8 ", (5, 4, 8)), ("1,1,2", (1, 1, 2))])
 def test_settings_parse(text, want):
     assert B.parse_setting(text) == want
