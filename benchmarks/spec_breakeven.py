@@ -55,13 +55,12 @@ def main(argv=None):
         if not isinstance(variants, dict) or not all(isinstance(v, list) for v in variants.values()):
             raise ValueError(f"--variants {a.variants!r}: give a JSON object of name -> list of SGLang flags")
         settings = [breakeven.parse_setting(s) for s in a.settings]
-        breakeven.plan("-", settings, variants)
+        servings = breakeven.plan(out / "untrained-drafter", settings, variants)
     except ValueError as e:
         print(f"spec_breakeven: {e}", file=sys.stderr)
         return 2
     path = resolve_target(a.target)
-    drafter = breakeven.untrained_drafter(path, out / "untrained-drafter", a.draft_vocab)
-    servings = breakeven.plan(drafter, settings, variants)
+    breakeven.untrained_drafter(path, out / "untrained-drafter", a.draft_vocab)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = online.chat_prompts(tok, a.prompts)
     (out / "settings.json").write_text(json.dumps({**vars(a), "servers": [f"{s.name}: {s.label()}" for s in servings],
@@ -87,10 +86,11 @@ def main(argv=None):
 
         measured = online.measure_servers({n: (s.url, {1: prompts}) for n, s in servers.items()}, a.max_new_tokens,
                                           a.rounds, after_round)
-        (out / "measured.json").write_text(json.dumps(
-            {n: {c: {k: v for k, v in m.items() if k != "rounds"} | {"rounds": [
-                {k: v for k, v in r.items() if k != "_outputs"} for r in m["rounds"]]} for c, m in by.items()}
-             for n, by in measured.items()}, indent=1, default=str))
+        for by in measured.values():  # the replies' token ids: not wanted in the record
+            for m in by.values():
+                for r in m["rounds"]:
+                    r.pop("_outputs", None)
+        (out / "measured.json").write_text(json.dumps(measured, indent=1, default=str))
         print((out / "table.txt").read_text())
         print(json.dumps({k: v for k, v in metrics.items() if not k.endswith("_rounds")}, indent=1))
         return 0

@@ -94,3 +94,20 @@ def test_chat_prompts_are_first_user_turns_with_the_generation_prompt(tokenizer)
         assert text.rstrip().endswith("assistant") and text.count("<|im_start|>user") >= 1, text[-80:]
     with pytest.raises(ValueError, match="only"):
         chat_prompts(tokenizer, 3, max_prompt_tokens=5)
+
+
+@pytest.mark.parametrize("args, why", [(["--settings", "3,1,5"], "verifies 4 draft tokens"),
+                                       (["--variants", "{a"], "is not JSON"),
+                                       (["--variants", "[1]"], "JSON object"),
+                                       (["--variants", '{"a-b": []}'], "letters and digits")])
+def test_the_benchmark_refuses_bad_settings_before_anything_is_built(tmp_path, capsys, args, why):
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("spec_breakeven", ROOT / "benchmarks" / "spec_breakeven.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path / "out"), *args]) == 2
+    assert why in capsys.readouterr().err
+    assert not (tmp_path / "out" / "untrained-drafter").exists()

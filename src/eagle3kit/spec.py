@@ -3,6 +3,7 @@ probe prompts. Pure functions over capture files and reference tensors."""
 from __future__ import annotations
 
 import random
+import re
 import uuid
 from pathlib import Path
 
@@ -346,8 +347,6 @@ def observe_sglang(path, aux, prompts: dict, work: Path, server_args=(), port: i
 def graph_prefills(log_path) -> dict:
     """Prefill batches in an SGLang server's log that ran on its prefill CUDA graph and eagerly (SGLang 0.5.14 logs
     ``Prefill batch, ... cuda graph: True|False`` for each)."""
-    import re
-
     text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
     return {"graphed": len(re.findall(r"Prefill batch.*cuda graph: True", text)),
             "eager": len(re.findall(r"Prefill batch.*cuda graph: False", text))}

@@ -19,7 +19,7 @@ import re
 import statistics
 from pathlib import Path
 
-from eagle3kit.acceptance.online import Serving
+from eagle3kit.acceptance.online import Serving, breakeven, cycle_ms
 
 SETTING = re.compile(r"^(\d+),(\d+),(\d+)$")
 
@@ -86,8 +86,8 @@ def breakeven_rounds(plain: dict, spec: dict) -> list[dict]:
         acc, p_tps, s_tps = s.get("accept_length"), p["output_tokens_per_s"], s["output_tokens_per_s"]
         if not acc or not p_tps or not s_tps:
             continue
-        rows.append({"plain_ms_per_token": 1000.0 / p_tps, "cycle_ms": 1000.0 * acc / s_tps, "accept_length": acc,
-                     "breakeven_accept_length": acc * p_tps / s_tps})
+        rows.append({"plain_ms_per_token": 1000.0 / p_tps, "cycle_ms": cycle_ms(acc, s_tps), "accept_length": acc,
+                     "breakeven_accept_length": breakeven(acc, s_tps / p_tps)})
     return rows
 
 
