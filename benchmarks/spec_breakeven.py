@@ -70,22 +70,26 @@ def main(argv=None):
                                    common_args=[*online.shared_gpu_args(), *a.server_args])
     servers = started["servers"]
     try:
-        if started["failed"]:
-            for name, why in started["failed"].items():
-                print(f"{name} did not start: {why}", file=sys.stderr)
+        failed = started["failed"]
+        for name, why in failed.items():
+            print(f"{name} did not start: {why}", file=sys.stderr)
+        servings = breakeven.measurable(servings, failed)  # a variant that breaks costs itself, not the run
+        if not any(s.drafter for s in servings):
+            print("spec_breakeven: no speculative server with a healthy plain one; nothing to time", file=sys.stderr)
             return 1
-        print(f"{len(servers)} servers healthy after {time.time() - t0:.0f} s", flush=True)
+        print(f"{len(servers) - len(failed)} servers healthy after {time.time() - t0:.0f} s", flush=True)
         metrics = {}
 
         def after_round(done):  # what the rounds so far give (a run cut by its time limit keeps whole rounds)
             metrics.clear()
             m, rows = breakeven.summarize(done, servings)
-            metrics.update(m, rounds_done=min((len(c[1]["rounds"]) for c in done.values() if 1 in c), default=0))
+            metrics.update(m, rounds_done=min((len(c[1]["rounds"]) for c in done.values() if 1 in c), default=0),
+                           servers_failed=sorted(failed))
             (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
             (out / "table.txt").write_text(table(rows))
 
-        measured = online.measure_servers({n: (s.url, {1: prompts}) for n, s in servers.items()}, a.max_new_tokens,
-                                          a.rounds, after_round)
+        measured = online.measure_servers({s.name: (servers[s.name].url, {1: prompts}) for s in servings},
+                                          a.max_new_tokens, a.rounds, after_round)
         for by in measured.values():  # the replies' token ids: not wanted in the record
             for m in by.values():
                 for r in m["rounds"]:
@@ -93,7 +97,7 @@ def main(argv=None):
         (out / "measured.json").write_text(json.dumps(measured, indent=1, default=str))
         print((out / "table.txt").read_text())
         print(json.dumps({k: v for k, v in metrics.items() if not k.endswith("_rounds")}, indent=1))
-        return 0
+        return 1 if failed else 0  # what started was measured; a server that did not start still fails the run
     finally:
         for s in servers.values():
             s.stop()

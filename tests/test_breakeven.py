@@ -59,6 +59,16 @@ def test_plan_gives_each_variant_its_plain_server_and_one_per_setting():
         B.plan("/d", ["3,1,4"], {})
 
 
+def test_a_server_that_did_not_start_costs_its_variant_not_the_run():
+    servings = B.plan("/d", ["3,1,4", "5,1,6"], {"base": [], "compile": ["--enable-torch-compile"]})
+    names = lambda failed: [s.name for s in B.measurable(servings, failed)]  # noqa: E731
+    assert names([]) == [s.name for s in servings]
+    assert names(["compile-5-1-6"]) == ["plain-base", "base-3-1-4", "base-5-1-6", "plain-compile", "compile-3-1-4"]
+    # without its own plain server a variant's speculative ones have nothing to be timed against
+    assert names(["plain-compile"]) == ["plain-base", "base-3-1-4", "base-5-1-6"]
+    assert not [s for s in B.measurable(servings, ["plain-base", "plain-compile"]) if s.drafter]
+
+
 def _rounds(tps, accept=None):
     return {1: {"rounds": [{"output_tokens_per_s": t, **({"accept_length": a} if accept else {})}
                            for t, a in zip(tps, accept or [None] * len(tps))]}}

@@ -77,6 +77,19 @@ def plan(drafter, settings, variants: dict) -> list[Serving]:
     return out
 
 
+def measurable(servings: list[Serving], failed) -> list[Serving]:
+    """The servings still worth timing when ``failed`` (names) did not start: each healthy one whose variant's plain
+    server is healthy too (a speculative server is only measured against its own variant's plain one). A flag that
+    breaks one variant (e.g. a compile failure) then costs that variant, not the whole run."""
+    failed = set(failed)
+    plain_ok = {s.name[len("plain-"):] for s in servings if s.drafter is None and s.name not in failed}
+    return [s for s in servings if s.name not in failed and _variant(s) in plain_ok]
+
+
+def _variant(s: Serving) -> str:
+    return s.name[len("plain-"):] if s.drafter is None else s.name.split("-")[0]
+
+
 def breakeven_rounds(plain: dict, spec: dict) -> list[dict]:
     """Per round (batch 1, as ``online.measure_servers`` gives one concurrency of two servers timed in turn): plain's
     milliseconds a token, the speculative cycle's milliseconds (accept length tokens each), and their ratio, the
@@ -100,7 +113,7 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
     for s in servings:
         if s.drafter is None:
             continue
-        variant = s.name.split("-")[0]
+        variant = _variant(s)
         plain, spec = measured.get(plains[variant], {}).get(1), measured.get(s.name, {}).get(1)
         rows = breakeven_rounds(plain or {}, spec or {})
         if not rows:
