@@ -26,6 +26,8 @@ def test_demo_pipeline_small(tmp_path):
     assert m["extract_failed"] == 0 and m["extract_samples"] == m["extract_verified"] > 0
     # fp8: the aux slots in e4m3 with a scale each, the last slot (the teacher's input) in bf16: 5/8 of bf16 for 4 slots
     assert 0.6 < m["bytes_ratio_best"] < 0.66 and m["fp8_read_back_rel_err"] < 0.05
+    # the bytes a token in the run's own storage, named by it (an fp8 run recorded them as bf16's until 2026-12-03)
+    assert m["extract_storage"] == "bf16" and m["bytes_per_token_stored"] == m["bytes_per_token_bf16"]
     assert m["train_steps"] > 0 and m["heldout_loss_pos0"] < m["initial_heldout_loss_pos0"]
     assert m["train_acc_pos0"] > m["baseline_acc_pos0"] and m["export_doctor_ok"] and m["export_loadback_max_rel_err"] < 0.05
     assert m["offline_acc_pos0"] > m["offline_baseline_acc_pos0"] and m["offline_tau_3"] >= m["offline_tau_1"] > 1.0
