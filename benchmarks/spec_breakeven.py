@@ -1,7 +1,9 @@
 """The break-even accept length of SGLang's speculative decoding at batch 1, per setting, with an untrained drafter
-(prints a table, writes metrics.json; GPU). See ``eagle3kit.acceptance.breakeven`` for why an untrained drafter tells
-it: speculation pays when a drafter's accept length exceeds ``cycle ms / plain ms per token``, and the cycle costs
-the same whatever the drafter has learnt.
+(prints a table, writes metrics.json; GPU). See ``eagle3kit.acceptance.breakeven``: speculation pays when a drafter's
+accept length exceeds ``cycle ms / plain ms per token``; with an untrained drafter the figure is a lower bound (each
+accepted token adds to the cycle: 0.2-0.3 of a plain step on SmolLM2-135M), good for ranking settings and flags.
+Measured (gpu-breakeven-1, -sync): longer chains lower it a little (2.43 at 7 steps, 2.64 at 3), a tree raises it
+(2.91 at 5,4,8); --enable-torch-compile does not lower it; --disable-overlap-schedule slows plain, not the cycle.
 
 Servers, all started at once on the one GPU with a fixed KV pool each (``online.shared_gpu_args``, as notebook 05):
 for each variant (``--variants '{"base": [], "fi": ["--attention-backend", "flashinfer"]}'``: SGLang flags given to

@@ -721,6 +721,33 @@ def test_experiment_summary_per_variant_and_controls(tmp_path):
     assert m["doctor_target_architecture"] == "LlamaForCausalLM"  # the served class (a wrapper names its own)
 
 
+def test_the_untrained_drafter_beside_main_measures_what_an_accepted_token_adds_to_the_cycle(tmp_path):
+    """gpu-breakeven-1 (untrained, accept length 1) against gpu-drafter-pipeline-13 (trained, 2.6-3.0): the trained
+    cycles were 11-27 % longer at the same settings, across runs. The untrained server at main's setting measures it
+    in one run: plain 10 ms a token; main's cycle 16 ms for 2.4 tokens; untrained's 12.5 ms for 1.0: 2.5 ms (a
+    quarter of a plain step) a token accepted beyond the first."""
+    from eagle3kit.acceptance import experiment
+
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(), offbyone=False,
+                                 untrained=True, concurrencies=(1,))
+    specs = {s.name: s for s in experiment.servings(plan, tmp_path)}
+    assert list(specs) == ["plain", "main", "untrained", "proof"]
+    assert specs["untrained"].drafter == str(tmp_path / "untrained")
+    assert (specs["untrained"].steps, specs["untrained"].topk, specs["untrained"].draft_tokens) == (3, 1, 4)
+    srv = {"plain": _measured([100.0]), "main": _measured([150.0], [2.4]), "untrained": _measured([80.0], [1.0])}
+    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}, "failed": {}}, {}, {})
+    assert m["untrained_cycle_ms"] == pytest.approx(12.5) and m["online_cycle_ms"] == pytest.approx(16.0)
+    assert m["untrained_breakeven_accept_length"] == pytest.approx(1.25) and m["breakeven_accept_length"] == pytest.approx(1.6)
+    assert m["cycle_ms_per_accepted_token"] == pytest.approx(2.5)
+    assert m["cycle_steps_per_accepted_token"] == pytest.approx(0.25)
+    assert "untrained" not in m.get("online_best_setting", "")  # not a setting to serve with
+    # no figure from accept lengths too close to divide by, or without the untrained server
+    assert experiment.accepting_cost({**m, "untrained_accept_length": 2.35}) == {}
+    assert experiment.accepting_cost({k: v for k, v in m.items() if not k.startswith("untrained")}) == {}
+    with pytest.raises(ValueError, match="taken by another server"):
+        experiment.OnlinePlan(target="t", drafter="d", controls={"untrained": "x"})
+
+
 def test_a_variant_of_speculative_flags_only_is_held_against_plain_itself(tmp_path):
     """A variant that changes only speculative flags (the draft attention backend) gets no plain server of its own:
     without speculation it would serve exactly as plain, so its speedup is against plain; a flag of any other kind

@@ -121,3 +121,17 @@ def test_the_benchmark_refuses_bad_settings_before_anything_is_built(tmp_path, c
     assert bench.main(["--out", str(tmp_path / "out"), *args]) == 2
     assert why in capsys.readouterr().err
     assert not (tmp_path / "out" / "untrained-drafter").exists()
+
+
+def test_the_untrained_drafter_takes_the_trained_ones_shape_from_its_export(tmp_path, target_path):
+    import json
+
+    trained = B.untrained_drafter(target_path, tmp_path / "trained", 1000, [3, 14, 26])  # stands for a trained export
+    got = B.untrained_like(trained, str(target_path), tmp_path / "untrained")
+    meta = json.loads((got / "eagle3kit.json").read_text())
+    assert meta["draft_vocab_size"] == 1000 and meta["capture_layer_ids"] == [3, 14, 26, 30] and meta["untrained"]
+    cfg = json.loads((got / "config.json").read_text())
+    assert cfg == json.loads((trained / "config.json").read_text())  # what SGLang reads: the same shape
+    with pytest.raises(ValueError, match="not an eagle3kit SGLang export.*export the drafter with eagle3kit"):
+        B.untrained_like(tmp_path, str(target_path), tmp_path / "x")
+

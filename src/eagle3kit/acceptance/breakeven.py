@@ -2,16 +2,20 @@
 
 At batch 1 a speculative server emits ``accept_length`` tokens per verify cycle, so it beats plain decoding when
 ``accept_length > cycle time / plain decode step time``: the break-even. That ratio is the cost of the cycle (draft
-steps, verify, the draft's extend, the scheduler's work around them) and does not depend on what the drafter has
-learnt: an untrained drafter of the shape eagle3kit trains (one layer, the target's width, the draft vocabulary)
-costs what a trained one costs per cycle. It only accepts less (about 1 token a cycle), which the figure divides
-out: break-even = accept length x plain tokens/s / speculative tokens/s, per round, the two servers timed prompt by
-prompt in turn (``online.measure_interleaved``).
+steps, verify, the draft's extend, the scheduler's work around them). An untrained drafter of the shape eagle3kit
+trains (one layer, the target's width, the draft vocabulary) runs the same kernels as a trained one; it accepts
+about 1 token a cycle, which the figure divides out: break-even = accept length x plain tokens/s / speculative
+tokens/s, per round, the two servers timed prompt by prompt in turn (``online.measure_interleaved``).
 
-So a user learns, for a target and SGLang's settings (steps, topk, draft tokens, attention backend, graphs), how
-long an accept length a drafter needs before speculation pays, in minutes and before capturing anything; and the
-settings that lower it (#11) can be searched without training a drafter per trial. ``benchmarks/spec_breakeven.py``
-runs it on the GPU.
+It is a lower bound, not the trained drafter's figure: accepted tokens cost too. On the H200 with SmolLM2-135M
+(records gpu-breakeven-1 against gpu-drafter-pipeline-13, two runs on two machines) the untrained cycles came to 2.4-2.9
+plain steps and the trained ones, accepting 2.6-3.0 tokens, to 2.9-3.4 at the same settings: 0.2-0.3 of a plain step
+for each token accepted beyond the first. Notebook 05's ``untrained`` server measures that cost in one run
+(``experiment.accepting_cost``).
+
+So a user learns, for a target and SGLang's settings (steps, topk, draft tokens, attention backend, graphs), the
+least accept length a drafter needs before speculation pays, in minutes and before capturing anything, and which
+settings lower it (#11), without training a drafter per trial. ``benchmarks/spec_breakeven.py`` runs it on the GPU.
 """
 from __future__ import annotations
 
@@ -43,6 +47,24 @@ def untrained_drafter(target_path, dest, draft_vocab_size: int, aux_layer_ids=No
     model = build(target_path, aux, vocab)
     return to_sglang(model, vocab, dest, target_path, aux,
                      provenance={"untrained": True, "purpose": "the speculative cycle's cost (acceptance.breakeven)"})
+
+
+def untrained_like(drafter, target_path, dest) -> Path:
+    """``untrained_drafter`` of the shape of ``drafter`` (an eagle3kit SGLang export): its draft vocabulary's size and
+    its capture layers, from its ``eagle3kit.json``. Served beside it at the same setting, the pair times the cycle
+    at two accept lengths in one run (``experiment.accepting_cost``)."""
+    import json
+
+    from eagle3kit.target import resolve_target
+
+    meta_path = Path(drafter) / "eagle3kit.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        vocab, layers = int(meta["draft_vocab_size"]), [int(k) for k in meta["capture_layer_ids"][:-1]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: not an eagle3kit SGLang export's record ({e}); the untrained drafter copies "
+                         f"its draft vocabulary and layers from it: export the drafter with eagle3kit") from None
+    return untrained_drafter(resolve_target(target_path), dest, vocab, layers)
 
 
 def parse_setting(text: str) -> tuple[int, int, int]:

@@ -9,6 +9,9 @@ Servers (all started at once, then timed in interleaved rounds, batch 1 prompt b
   tree<s>x<k>x<t>           the same drafter as a tree (SGLang's own default for Llama targets is 5, 4, 8)
   <control>                 other drafters (trained on other data) at the serving setting
   offbyone                  the main drafter exported with layer ids off by one (negative control), draft hooks on
+  untrained                 a drafter of the main one's shape with untrained layers (``breakeven.untrained_like``) at
+                            the serving setting: the cycle at accept length ~1 in the same run, so the cost of each
+                            accepted token is measured (``cycle_ms_per_accepted_token``), not assumed to be nil
   proof                     the main drafter, CUDA graphs off, draft hooks on: load proof and fed layers
   plain-<v>, main-<v>       plain and main with variant <v>'s extra server arguments (e.g. another attention
                             backend), batch 1: does it lower the break-even? A variant of speculative flags only
@@ -38,6 +41,7 @@ class OnlinePlan:
     sweep_steps: tuple = (1, 2, 3, 4, 5, 6, 7)
     trees: tuple = ((5, 4, 8),)
     offbyone: bool = True
+    untrained: bool = False  # the untrained drafter at the serving setting (one more server): what accepting costs
     proof: bool = True
     concurrencies: tuple = (1, 8, 32)
     prompts_per_conc: dict = field(default_factory=lambda: {1: 16, 8: 64, 32: 128})
@@ -55,7 +59,7 @@ class OnlinePlan:
                 raise ValueError(f"{kind} names {bad} must be identifiers (letters, digits, _), e.g. "
                                  f"{str(bad[0]).replace('-', '_')!r}: they name the metrics")
         # a name another server's metrics already use would overwrite them (online_speedup, steps3_speedup, ...)
-        taken = {"online", "plain", "main", "proof", "offbyone", "negative_control", "engine_control"}
+        taken = {"online", "plain", "main", "proof", "offbyone", "negative_control", "engine_control", "untrained"}
         for name in [*self.variants, *self.controls]:
             if name in taken or re.fullmatch(r"steps\d+|tree\d+x\d+x\d+", name):
                 raise ValueError(f"variant or control name {name!r} is taken by another server's metrics: rename it")
@@ -75,6 +79,8 @@ def servings(plan: OnlinePlan, work: Path) -> list[online.Serving]:
     out += [online.Serving(name, path, s, t, d) for name, path in plan.controls.items()]
     if plan.offbyone:
         out.append(online.Serving("offbyone", str(work / "offbyone"), s, t, d, hooks=draft_hooks(work / "hooks-offbyone")))
+    if plan.untrained:
+        out.append(online.Serving("untrained", str(work / "untrained"), s, t, d))
     for v, args in plan.variants.items():
         if not speculative_only(args):
             out.append(online.Serving(f"plain-{v}", extra_args=list(args)))
@@ -129,6 +135,10 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=No
     work.mkdir(parents=True, exist_ok=True)
     if plan.offbyone:
         export_offbyone(plan.drafter, work / "offbyone")
+    if plan.untrained:
+        from eagle3kit.acceptance.breakeven import untrained_like
+
+        untrained_like(plan.drafter, plan.target, work / "untrained")
     specs = servings(plan, work)
     t0 = time.time()
     started = online.start_servers(plan.target, specs, work / "logs", common_args=[*plan.server_args,
@@ -472,6 +482,26 @@ def control_offline(controls, offline: dict, steps: int) -> dict:
     return m
 
 
+def accepting_cost(m: dict) -> dict:
+    """What each accepted token adds to the speculative cycle, from main and the untrained drafter at the same setting
+    in the same run: ``cycle_ms_per_accepted_token`` = (main's cycle - untrained's) / (main's accept length -
+    untrained's), and ``cycle_steps_per_accepted_token``, the same in plain decode steps. 0 would mean the cycle costs
+    what it costs whatever the drafter accepts (the untrained break-even would then be the trained one); the records
+    so far say otherwise (the twenty-fifth session: untrained cycles at batch 1 were 11-27 % below the trained ones of
+    gpu-drafter-pipeline-13, across runs). Nothing when either is missing or they accept within 0.1 token."""
+    need = ("online_cycle_ms", "untrained_cycle_ms", "online_accept_length", "untrained_accept_length")
+    if not all(m.get(k) for k in need):
+        return {}
+    da = m["online_accept_length"] - m["untrained_accept_length"]
+    if da < 0.1:
+        return {}
+    per = (m["online_cycle_ms"] - m["untrained_cycle_ms"]) / da
+    out = {"cycle_ms_per_accepted_token": per}
+    if m.get("plain_ms_per_token"):
+        out["cycle_steps_per_accepted_token"] = per / m["plain_ms_per_token"]
+    return out
+
+
 def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> dict:
     """Flat metrics of the online experiment. ``offline``: name -> offline metrics (``offline_tau_{n}``) of that
     drafter on the held-out split ("main" and the controls; "main_first_replies": the main drafter on the first
@@ -572,6 +602,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
                 m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
                 m[f"{key}_cycle_ms"] = online.cycle_ms(a, tps)
+    m.update(accepting_cost(m))
     m.update(control_offline(plan.controls, offline, s))
     if "engine" in plan.controls and "engine_accept_length" in m:
         m["engine_control_accept_length"] = m["engine_accept_length"]
