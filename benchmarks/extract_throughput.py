@@ -246,7 +246,7 @@ def gpu(a):
     from transformers import AutoTokenizer
 
     from eagle3kit.capture.client import CaptureClient
-    from eagle3kit.capture.server import SGLangServer, capture_server
+    from eagle3kit.capture.server import SGLangServer, capture_server, stop_all
     from eagle3kit.pipeline import default_aux
     from eagle3kit.target import TargetInfo, resolve_target
 
@@ -354,8 +354,7 @@ def gpu(a):
             res[f"capture_{storage}_status"] = json.dumps(client.status().get("rank0", {}).get("counts", {}))
         res["serial_tokens_per_s"] = res["serial_median_tokens_per_s"]
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_all(servers.values())
     res.update(disk)
     res.update(summarize_rounds(runs, rounds, a.concurrency, list(clients), disk["disk_durable_bytes_per_s"],
                                 {st: res[f"bytes_per_token_{st}"] for st in clients}))

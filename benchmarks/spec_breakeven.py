@@ -44,6 +44,7 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     from eagle3kit.acceptance import breakeven, online
+    from eagle3kit.capture.server import stop_all
     from eagle3kit.plots import table
     from eagle3kit.target import resolve_target
 
@@ -101,8 +102,7 @@ def main(argv=None):
         print(json.dumps({k: v for k, v in metrics.items() if not k.endswith("_rounds")}, indent=1))
         return 1 if failed else 0  # what started was measured; a server that did not start still fails the run
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_all(servers.values())
 
 
 if __name__ == "__main__":

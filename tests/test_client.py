@@ -338,3 +338,39 @@ def test_a_stopped_run_sends_no_more_requests(tmp_path):
     finally:
         server.shutdown()
     assert len(extra_keys) < 100, len(extra_keys)  # those sent before the first marker came (~20), not 200
+
+
+def test_servers_stop_at_once_within_one_shared_grace(tmp_path):
+    """gpu-breakeven-1: ten SGLang servers stopped one after another, each outliving its 20 s of grace, took the
+    benchmark past its time limit after its last round. Processes that ignore SIGTERM (as those did) are stopped
+    together: one grace for all, then killed with their process groups."""
+    import subprocess
+    import sys
+
+    from eagle3kit.capture.server import SGLangServer, stop_all
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"
+    servers = []
+    for i in range(4):
+        s = SGLangServer.__new__(SGLangServer)  # its process only: a real one that ignores SIGTERM
+        s._log = open(tmp_path / f"s{i}.log", "w")
+        s.proc = subprocess.Popen([sys.executable, "-c", stubborn], stdout=s._log, start_new_session=True)
+        servers.append(s)
+    deadline = time.time() + 30
+    while time.time() < deadline and not all((tmp_path / f"s{i}.log").read_text() for i in range(4)):
+        time.sleep(0.05)  # each has set its handler
+    t0 = time.perf_counter()
+    stop_all(servers, grace=2.0)
+    took = time.perf_counter() - t0
+    assert all(s.proc.poll() is not None for s in servers) and all(s._log.closed for s in servers)
+    assert all(s.proc.returncode == -9 for s in servers)  # killed after the grace, SIGTERM having been ignored
+    assert took < 6.0, took  # one after another: 4 x 2 s at least
+
+    class Other:  # anything else with a stop() of its own is stopped by it
+        stopped = False
+
+        def stop(self):
+            Other.stopped = True
+
+    stop_all([Other()])
+    assert Other.stopped

@@ -293,7 +293,7 @@ def observe_sglang(path, aux, prompts: dict, work: Path, server_args=(), port: i
     import requests
 
     from eagle3kit.capture.client import CaptureClient
-    from eagle3kit.capture.server import capture_server
+    from eagle3kit.capture.server import capture_server, stop_all
 
     dirs = {"plain": work / "unchunked", "chunked": work / "chunked"}
     # one GPU, two servers: each --mem-fraction-static counts what the earlier one holds, so they start in turn
@@ -337,8 +337,7 @@ def observe_sglang(path, aux, prompts: dict, work: Path, server_args=(), port: i
         obs["hit_second"] = chunked.capture("hit_second", hit_ids, isolate_cache=pair, **pin)
         obs["chunked_status"] = chunked.status()
     finally:
-        for s in servers.values():
-            s.stop()
+        stop_all(servers.values())
     obs["graph_prefills"] = {k: graph_prefills(work / f"sglang-{n}.log")
                              for k, n in (("plain", "unchunked"), ("chunked", "chunked"))}
     return obs

@@ -131,6 +131,8 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=No
     ends the rounds (it came after them, and was lost with them in gpu-drafter-pipeline-9). Its errors are logged,
     never raised: the measurements go on. ``stored``, ``decode``: the data set's replies to batch 1's prompts and a
     token decoder, for ``outputs_match_stored``."""
+    from eagle3kit.capture.server import stop_all
+
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     if plan.offbyone:
@@ -193,8 +195,7 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=No
                 + (f", accept {statistics.fmean(acc):.3f}" if acc else ""))
         log(f"{len(timed)} servers, {plan.rounds} interleaved rounds: {time.time() - t1:.0f} s")
     finally:
-        for srv in servers.values():
-            srv.stop()
+        stop_all(servers.values())
     results["outputs_match_plain"] = _outputs_match(results)
     if stored and decode is not None:
         try:  # a side figure: it never costs the measurements above

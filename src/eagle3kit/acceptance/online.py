@@ -60,7 +60,7 @@ def start_servers(target, servings: list[Serving], log_dir, base_port: int = 310
                   startup_timeout: float = 900, stagger: float = 2.0) -> dict:
     """Start every server at once (imports dominate a start; they overlap) and wait until all are healthy.
     Returns {name: SGLangServer}; a server that fails to start is reported by name with its log's tail."""
-    from eagle3kit.capture.server import SGLangServer
+    from eagle3kit.capture.server import SGLangServer, stop_all
 
     servers, failed = {}, {}
     try:
@@ -76,8 +76,7 @@ def start_servers(target, servings: list[Serving], log_dir, base_port: int = 310
             except Exception as e:  # noqa: BLE001 - report every failed server, keep the others
                 failed[name] = str(e)[-2000:]
     except BaseException:  # Ctrl-C / SIGTERM while starting: the servers run in their own sessions, stop them
-        for srv in servers.values():
-            srv.stop()
+        stop_all(servers.values())
         raise
     return {"servers": servers, "failed": failed}
 

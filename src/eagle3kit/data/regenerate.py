@@ -186,10 +186,10 @@ class HelperServers:
             self.log(f"regeneration helper {i} serving at {srv.url}, {seconds:.0f} s after its start")
 
     def stop(self) -> None:
+        from eagle3kit.capture.server import stop_all
+
         self._stop.set()
-        for srv in list(self.servers):
-            srv.stop()
+        stop_all(list(self.servers))  # at once: one shared grace, not one each
         if self._thread is not None:
             self._thread.join(timeout=60)
-        for srv in list(self.servers):  # one that the thread started while the first pass stopped the others
-            srv.stop()
+        stop_all(list(self.servers))  # one that the thread started while the first pass stopped the others
