@@ -94,6 +94,21 @@ def test_breakeven_is_taken_per_round_as_cycle_over_plain_step():
     assert m2 == {}
 
 
+def test_the_best_setting_beats_the_fastest_plain_server_not_only_its_own():
+    """gpu-breakeven-sync: --disable-overlap-schedule slowed plain (2.10 ms a token against 1.65), not the cycle
+    (3.97 ms against 3.99): 1.89 against its own plain, yet no faster than the default against the default plain."""
+    servings = B.plan("/d", ["3,1,4"], {"base": [], "sync": ["--disable-overlap-schedule"]})
+    measured = {"plain-base": _rounds([1000 / 1.65] * 3), "base-3-1-4": _rounds([1000 / 3.99] * 3, [1.0] * 3),
+                "plain-sync": _rounds([1000 / 2.10] * 3), "sync-3-1-4": _rounds([1000 / 3.97] * 3, [1.0] * 3)}
+    m, table = B.summarize(measured, servings)
+    assert m["breakeven_sync_3_1_4"] == pytest.approx(3.97 / 2.10)  # against its own variant's plain: lower ...
+    assert m["breakeven_sync_3_1_4"] < m["breakeven_base_3_1_4"]
+    assert m["breakeven_vs_fastest_plain_sync_3_1_4"] == pytest.approx(3.97 / 1.65)
+    assert m["fastest_plain"] == "plain-base" and m["fastest_plain_ms_per_token"] == pytest.approx(1.65)
+    assert m["breakeven_best"] == pytest.approx(3.97 / 1.65) and m["breakeven_best_setting"] == "sync (3,1,4)"
+    assert [r["vs fastest plain"] for r in table] == pytest.approx([3.99 / 1.65, 3.97 / 1.65])
+
+
 def test_chat_prompts_are_first_user_turns_with_the_generation_prompt(tokenizer):
     from eagle3kit.acceptance.online import chat_prompts
 
