@@ -567,6 +567,22 @@ def test_shards_partition_the_data(tokenizer):
         prepare_samples(convs, tokenizer, 64, world_size=3, rank=3)
 
 
+def test_conversations_that_become_no_sample_are_counted_by_reason(tokenizer):
+    """gpu-03-extract-prefill-graph-fp8: 400 conversations kept, 387 samples, and the 13 between counted nowhere.
+    A conversation without a reply, or whose prompt fills max_tokens before its reply starts, is no sample: counted."""
+    from eagle3kit.extract import prepare_samples
+
+    ok = {"id": "ok", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}
+    no_reply = {"id": "q", "messages": [{"role": "user", "content": "Hi"}]}
+    long = {"id": "long", "messages": [{"role": "user", "content": "word " * 400},
+                                       {"role": "assistant", "content": "Fine."}]}
+    skipped = {}
+    got = prepare_samples([ok, no_reply, long], tokenizer, 64, skipped=skipped)
+    assert [s.conv_id for s in got] == ["ok"]
+    assert skipped == {"no assistant reply": 1, "fewer than 1 reply token(s) within max_tokens=64": 1}
+    assert [s.conv_id for s in prepare_samples([ok, no_reply, long], tokenizer, 64)] == ["ok"]  # counting is optional
+
+
 def test_a_mismatched_capture_server_is_refused_and_nothing_written_is_lost(tmp_path, target_path):
     from test_client import info_server
 

@@ -69,19 +69,27 @@ def _disk_full_error(out_dir: Path, todo: list, totals: dict, failures: list) ->
 
 
 def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int = 0, heldout_percent: float = 5.0,
-                    world_size: int = 1, rank: int = 0, min_loss_tokens: int = 1, leave_out=()) -> list[Sample]:
+                    world_size: int = 1, rank: int = 0, min_loss_tokens: int = 1, leave_out=(),
+                    skipped: dict | None = None) -> list[Sample]:
     """Render, mask and shard (sample i belongs to rank i % world_size). Keys are stable across reruns.
-    ``leave_out``: conversation ids not to render (their indices, and so every other key, stay)."""
+    ``leave_out``: conversation ids not to render (their indices, and so every other key, stay). ``skipped``: where
+    the conversations of this shard that become no sample are counted, by reason (the loader's report's)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     out = []
     for i, conv in enumerate(conversations):
         if i % world_size != rank or conv["id"] in leave_out:
             continue
+        why = None
         if not any(m.get("role") == "assistant" for m in conv["messages"]):  # e.g. regeneration cut at the context
-            continue
-        r = render(tokenizer, conv["messages"], max_tokens=max_tokens)
-        if sum(r.loss_mask) < min_loss_tokens:
+            why = "no assistant reply"
+        else:
+            r = render(tokenizer, conv["messages"], max_tokens=max_tokens)
+            if sum(r.loss_mask) < min_loss_tokens:
+                why = f"fewer than {min_loss_tokens} reply token(s) within max_tokens={max_tokens}"
+        if why:
+            if skipped is not None:
+                skipped[why] = skipped.get(why, 0) + 1
             continue
         out.append(Sample(f"s{i:07d}", i, conv["id"], split_of(conv["id"], seed, heldout_percent),
                           r.input_ids, r.loss_mask))
@@ -365,7 +373,7 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
                   f"folder with a larger budget regenerates and captures them)")
         convs = [done.get(c["id"], c) if i % world_size == rank else c for i, c in enumerate(convs)]
     return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank,
-                           leave_out=left), report
+                           leave_out=left, skipped=report.skipped), report
 
 
 def _read_regenerated(cache: Path) -> dict:
