@@ -116,6 +116,10 @@
 # fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash
 # scripts/gpu_poll.sh >/dev/null; done; tail -3 /root/chain.log` with timeout_s 590: the machine is held while a
 # call runs, and what the last poll left in $OUT comes back even when the budget ends the call.
+# 2026-12-03 (twenty-fifth session) the rule was broken once more: the first results were read between two polls, the
+# gap passed 30 s, and the load test (5 minutes in) went with the machine. Send the next poll first, read after.
+# The break-even benchmark (breakeven:480, 10 servers, 12 prompts, 3 rounds): healthy after 176 s, rounds done by
+# ~420 s; give it 480 (the servers now stop together, see capture.server.stop_all). 6 servers, 10 prompts: ~330 s.
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
