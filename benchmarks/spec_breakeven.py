@@ -1,7 +1,7 @@
 """The break-even accept length of SGLang's speculative decoding at batch 1, per setting, with an untrained drafter
 (prints a table, writes metrics.json; GPU). See ``eagle3kit.acceptance.breakeven``: speculation pays when a drafter's
-accept length exceeds ``cycle ms / plain ms per token``; with an untrained drafter the figure is a lower bound (each
-accepted token adds to the cycle: 0.2-0.3 of a plain step on SmolLM2-135M), good for ranking settings and flags.
+accept length exceeds ``cycle ms / plain ms per token``; an untrained drafter's cycle costs what a trained one's does
+(gpu-drafter-pipeline-13's marginal cycles, 3.3-3.7 ms, against 3.3-3.6 here), the requests' fixed costs apart.
 Measured (gpu-breakeven-1, -sync): longer chains lower it a little (2.43 at 7 steps, 2.64 at 3), a tree raises it
 (2.91 at 5,4,8); --enable-torch-compile does not lower it; --disable-overlap-schedule slows plain, not the cycle.
 
@@ -11,11 +11,13 @@ that variant's plain server and its speculative ones alike) plain SGLang and one
 (``--settings 3,1,4 5,1,6 7,1,8 5,4,8``: steps,topk,draft tokens), the same untrained drafter in all. Each round
 times batch 1 prompt by prompt across every server (``online.measure_interleaved``), from flushed caches, after one
 untimed warm pass; ``--rounds`` rounds. Prompts: the first user turns of embedded ShareGPT conversations in the
-target's chat template, greedy, ``--max-new-tokens`` each. Every round's break-even is kept, with the median and the
+target's chat template, greedy, ``--max-new-tokens`` each (several: prompt i takes them in turn, so that each
+server's requests fit as fixed cost + marginal cycles, ``online.request_fit``; the untrained drafter's replies all
+ran to their limit in gpu-breakeven-1, and one length gives no fit). Every round's break-even is kept, with the median and the
 spread.
 
 usage: python benchmarks/spec_breakeven.py --out DIR [--target embedded:smollm2] [--draft-vocab 16384]
-           [--settings 3,1,4 ...] [--variants JSON] [--prompts 16] [--rounds 3] [--max-new-tokens 256]
+           [--settings 3,1,4 ...] [--variants JSON] [--prompts 16] [--rounds 3] [--max-new-tokens 64 256]
            [--server-args ...]
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main(argv=None):
     p.add_argument("--variants", default='{"base": []}', help="JSON: name -> SGLang flags of that variant's servers")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, nargs="+", default=[64, 256])
     p.add_argument("--base-port", type=int, default=31400)
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[])
     a = p.parse_args(argv)

@@ -748,6 +748,63 @@ def test_the_untrained_drafter_beside_main_measures_what_an_accepted_token_adds_
         experiment.OnlinePlan(target="t", drafter="d", controls={"untrained": "x"})
 
 
+def _timed(fixed_ms, cycle_ms, lengths, accept=None):
+    """Batch-1 requests that cost ``fixed_ms`` + ``cycle_ms`` a cycle, one round; ``accept``: tokens a verify cycle
+    (a speculative server; None: plain, one token a decode step after the prefill's)."""
+    times, per = [], []
+    for n in lengths:
+        cycles = round((n - 1) / (accept - 1)) if accept and accept > 1 else n - 1  # verify cycles (tokens - 1 plain)
+        times.append([n, (fixed_ms + cycle_ms * cycles) / 1000])
+        per.append([cycles, n - 1 - cycles] if accept else [0, 0])
+    toks, secs = sum(n for n in lengths), sum(t for _, t in times)
+    r = {"output_tokens_per_s": toks / secs, "per_request_time": times}
+    if accept is not None:
+        r.update(per_request=per, accept_length=sum(c + w for c, w in per) / sum(c for c, _ in per))
+    return {1: {"rounds": [r], "output_tokens_per_s_median": toks / secs, "output_tokens_per_s_min": toks / secs,
+                "output_tokens_per_s_max": toks / secs}}
+
+
+def test_a_requests_fixed_cost_is_told_from_its_cycles():
+    """gpu-drafter-pipeline-13: the speculative requests cost 35-54 ms whatever their length (plain 20), and the
+    cycle over whole requests (accept length / tokens a second) came to 4.1 ms at (3,1,4) where a cycle more cost
+    3.55: fewer cycles carry the fixed cost, which looked like accepted tokens costing time."""
+    from eagle3kit.acceptance import online
+
+    lengths = [16, 64, 128, 256, 200, 90]
+    plain = online.request_fit(_timed(20.0, 1.25, lengths)[1])
+    spec = online.request_fit(_timed(35.0, 3.5, lengths, accept=3.0)[1])
+    assert plain["request_fixed_ms"] == pytest.approx(20.0) and plain["cycle_marginal_ms"] == pytest.approx(1.25)
+    assert spec["request_fixed_ms"] == pytest.approx(35.0) and spec["cycle_marginal_ms"] == pytest.approx(3.5)
+    assert spec["cycle_marginal_ms_se"] == pytest.approx(0.0, abs=1e-9) and spec["fit_requests"] == 6
+    m = _timed(35.0, 3.5, lengths, accept=3.0)[1]["rounds"][0]
+    assert online.cycle_ms(m["accept_length"], m["output_tokens_per_s"]) > 3.5 * 1.05  # whole requests: inflated
+    # a fit needs replies of several lengths (the break-even benchmark's untrained replies were all 256 tokens)
+    assert online.request_fit(_timed(20.0, 1.25, [256, 256, 256])[1]) is None
+    assert online.request_fit(_timed(20.0, 1.25, [16, 256])[1]) is None  # and 3 requests
+
+
+def test_the_summary_gives_each_setting_its_marginal_cycle_and_the_speedup_long_replies_tend_to(tmp_path):
+    from eagle3kit.acceptance import experiment
+
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3, 7), trees=(), offbyone=False,
+                                 untrained=True, concurrencies=(1,))
+    lengths = [16, 64, 128, 256, 200, 90]
+    srv = {"plain": _timed(20.0, 1.25, lengths), "main": _timed(35.0, 3.5, lengths, accept=2.5),
+           "steps7": _timed(37.0, 3.5, lengths, accept=3.0), "untrained": _timed(30.0, 3.4, lengths, accept=1.0)}
+    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}, "failed": {}}, {}, {})
+    assert m["plain_request_fixed_ms"] == pytest.approx(20.0) and m["plain_step_marginal_ms"] == pytest.approx(1.25)
+    assert m["online_cycle_marginal_ms"] == pytest.approx(3.5) and m["online_request_fixed_ms"] == pytest.approx(35.0)
+    assert m["breakeven_marginal_accept_length"] == pytest.approx(3.5 / 1.25)
+    assert m["online_speedup_marginal"] == pytest.approx(m["online_accept_length"] * 1.25 / 3.5)
+    assert m["steps7_speedup_marginal"] == pytest.approx(m["steps7_accept_length"] * 1.25 / 3.5)
+    assert m["steps7_speedup_marginal"] > m["steps7_speedup"]  # the fixed costs weigh on whole requests
+    assert m["untrained_cycle_marginal_ms"] == pytest.approx(3.4, rel=1e-3)
+    # what an accepted token adds, with and without the fixed costs: only the latter is the cycle's
+    assert m["cycle_marginal_ms_per_accepted_token"] == pytest.approx((3.5 - 3.4) / (m["online_accept_length"] - 1),
+                                                                      rel=1e-2)
+    assert m["cycle_ms_per_accepted_token"] > 2 * m["cycle_marginal_ms_per_accepted_token"]
+
+
 def test_a_variant_of_speculative_flags_only_is_held_against_plain_itself(tmp_path):
     """A variant that changes only speculative flags (the draft attention backend) gets no plain server of its own:
     without speculation it would serve exactly as plain, so its speedup is against plain; a flag of any other kind

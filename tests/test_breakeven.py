@@ -150,3 +150,24 @@ def test_the_untrained_drafter_takes_the_trained_ones_shape_from_its_export(tmp_
     with pytest.raises(ValueError, match="not an eagle3kit SGLang export.*export the drafter with eagle3kit"):
         B.untrained_like(tmp_path, str(target_path), tmp_path / "x")
 
+
+
+def test_replies_of_two_lengths_give_each_server_its_marginal_cycle_and_fixed_cost():
+    """Plain: 20 ms a request + 1.25 ms a step; the untrained drafter's server: 40 ms + 3.3 ms a cycle, one token a
+    cycle. Over whole requests the cycle looks longer than 3.3 ms; the fit over replies of 64 and 256 tokens gives it."""
+    from eagle3kit.plots import table
+
+    def timed(fixed, per, spec):
+        reqs = [(n, (fixed + per * (n - 1)) / 1000) for n in [64, 256] * 3]
+        toks, secs = sum(n for n, _ in reqs), sum(t for _, t in reqs)
+        r = {"output_tokens_per_s": toks / secs, "per_request_time": [list(x) for x in reqs]}
+        if spec:
+            r.update(accept_length=1.0, per_request=[[n - 1, 0] for n, _ in reqs])
+        return {1: {"rounds": [r]}}
+
+    servings = B.plan("/d", ["3,1,4"], {"base": []})
+    m, rows = B.summarize({"plain-base": timed(20, 1.25, False), "base-3-1-4": timed(40, 3.3, True)}, servings)
+    assert m["cycle_marginal_ms_base_3_1_4"] == pytest.approx(3.3) and m["request_fixed_ms_base_3_1_4"] == pytest.approx(40)
+    assert m["plain_request_fixed_ms_base_3_1_4"] == pytest.approx(20)
+    assert m["breakeven_marginal_base_3_1_4"] == pytest.approx(3.3 / 1.25)
+    assert "marginal break-even" in table(rows) and "40 (20)" in table(rows)

@@ -7,11 +7,13 @@ trains (one layer, the target's width, the draft vocabulary) runs the same kerne
 about 1 token a cycle, which the figure divides out: break-even = accept length x plain tokens/s / speculative
 tokens/s, per round, the two servers timed prompt by prompt in turn (``online.measure_interleaved``).
 
-It is a lower bound, not the trained drafter's figure: accepted tokens cost too. On the H200 with SmolLM2-135M
-(records gpu-breakeven-1 against gpu-drafter-pipeline-13, two runs on two machines) the untrained cycles came to 2.4-2.9
-plain steps and the trained ones, accepting 2.6-3.0 tokens, to 2.9-3.4 at the same settings: 0.2-0.3 of a plain step
-for each token accepted beyond the first. Notebook 05's ``untrained`` server measures that cost in one run
-(``experiment.accepting_cost``).
+Over whole requests the figure also carries each request's fixed cost (HTTP, prefill, the draft's prefill, waking
+an idle scheduler), which a trained drafter spreads over fewer cycles: on the H200 with SmolLM2-135M the untrained
+cycles (gpu-breakeven-1) came to 2.4-2.9 plain steps and gpu-drafter-pipeline-13's trained ones to 2.9-3.4, yet that
+run's requests fitted as fixed cost + cycles (``online.request_fit``) gave marginal cycles of 3.3-3.7 ms, the
+untrained ones', and fixed costs of 35-54 ms against plain's 21. Hence replies of several lengths and the fit's
+figures beside the ratio (``breakeven_marginal_<server>``); notebook 05's ``untrained`` server compares the cycles in
+one run (``experiment.accepting_cost``).
 
 So a user learns, for a target and SGLang's settings (steps, topk, draft tokens, attention backend, graphs), the
 least accept length a drafter needs before speculation pays, in minutes and before capturing anything, and which
@@ -23,6 +25,7 @@ import re
 import statistics
 from pathlib import Path
 
+from eagle3kit.acceptance import online
 from eagle3kit.acceptance.online import Serving, breakeven, cycle_ms
 
 SETTING = re.compile(r"^(\d+),(\d+),(\d+)$")
@@ -152,10 +155,21 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
                         f"cycle_ms_{key}": statistics.median(r["cycle_ms"] for r in rows),
                         f"plain_ms_per_token_{key}": statistics.median(r["plain_ms_per_token"] for r in rows),
                         f"untrained_accept_length_{key}": statistics.fmean(r["accept_length"] for r in rows)})
+        pf, sf = online.request_fit(plain or {}), online.request_fit(spec or {})
+        if pf and sf and pf["cycle_marginal_ms"] > 0:  # fixed costs left out: what long replies tend to
+            metrics.update({f"cycle_marginal_ms_{key}": sf["cycle_marginal_ms"],
+                            f"cycle_marginal_ms_se_{key}": sf["cycle_marginal_ms_se"],
+                            f"request_fixed_ms_{key}": sf["request_fixed_ms"],
+                            f"plain_request_fixed_ms_{key}": pf["request_fixed_ms"],
+                            f"breakeven_marginal_{key}": sf["cycle_marginal_ms"] / pf["cycle_marginal_ms"]})
         table.append({"key": key, "variant": variant, "setting": f"({s.steps},{s.topk},{s.draft_tokens})",
                       "plain ms/token": metrics[f"plain_ms_per_token_{key}"], "cycle ms": metrics[f"cycle_ms_{key}"],
                       "break-even": med, "rounds": " ".join(f"{x:.2f}" for x in be),
-                      "untrained accept": metrics[f"untrained_accept_length_{key}"]})
+                      "untrained accept": metrics[f"untrained_accept_length_{key}"],
+                      **({"marginal break-even": metrics[f"breakeven_marginal_{key}"],
+                          "fixed ms (plain)": f"{metrics[f'request_fixed_ms_{key}']:.0f} "
+                                              f"({metrics[f'plain_request_fixed_ms_{key}']:.0f})"}
+                         if f"breakeven_marginal_{key}" in metrics else {})})
     if table:  # against the fastest plain server of the run: the strongest baseline a user would serve instead
         fastest = min(r["plain ms/token"] for r in table)
         fastest_variant = next(r["variant"] for r in table if r["plain ms/token"] == fastest)

@@ -10,8 +10,8 @@ Servers (all started at once, then timed in interleaved rounds, batch 1 prompt b
   <control>                 other drafters (trained on other data) at the serving setting
   offbyone                  the main drafter exported with layer ids off by one (negative control), draft hooks on
   untrained                 a drafter of the main one's shape with untrained layers (``breakeven.untrained_like``) at
-                            the serving setting: the cycle at accept length ~1 in the same run, so the cost of each
-                            accepted token is measured (``cycle_ms_per_accepted_token``), not assumed to be nil
+                            the serving setting: the cycle at accept length ~1 in the same run, so what accepting
+                            adds to a cycle is measured (``cycle_marginal_ms_per_accepted_token``), not assumed
   proof                     the main drafter, CUDA graphs off, draft hooks on: load proof and fed layers
   plain-<v>, main-<v>       plain and main with variant <v>'s extra server arguments (e.g. another attention
                             backend), batch 1: does it lower the break-even? A variant of speculative flags only
@@ -483,13 +483,31 @@ def control_offline(controls, offline: dict, steps: int) -> dict:
     return m
 
 
+def fit_metrics(key: str, measured: dict, accept, plain_fit) -> dict:
+    """``online.request_fit`` of one server's batch-1 requests under ``key``: ``<key>_request_fixed_ms``,
+    ``<key>_cycle_marginal_ms`` (and their standard errors); with plain's fit and the accept length, the ratio with the
+    fixed costs left out, what long replies tend to: ``<key>_breakeven_marginal`` (a cycle in plain steps) and
+    ``<key>_speedup_marginal``."""
+    f = online.request_fit(measured or {})
+    if not f:
+        return {}
+    out = {f"{key}_request_fixed_ms": f["request_fixed_ms"], f"{key}_request_fixed_ms_se": f["request_fixed_ms_se"],
+           f"{key}_cycle_marginal_ms": f["cycle_marginal_ms"], f"{key}_cycle_marginal_ms_se": f["cycle_marginal_ms_se"]}
+    if plain_fit and plain_fit["cycle_marginal_ms"] > 0 and f["cycle_marginal_ms"] > 0:
+        out[f"{key}_breakeven_marginal"] = f["cycle_marginal_ms"] / plain_fit["cycle_marginal_ms"]
+        if accept:
+            out[f"{key}_speedup_marginal"] = accept * plain_fit["cycle_marginal_ms"] / f["cycle_marginal_ms"]
+    return out
+
+
 def accepting_cost(m: dict) -> dict:
     """What each accepted token adds to the speculative cycle, from main and the untrained drafter at the same setting
     in the same run: ``cycle_ms_per_accepted_token`` = (main's cycle - untrained's) / (main's accept length -
-    untrained's), and ``cycle_steps_per_accepted_token``, the same in plain decode steps. 0 would mean the cycle costs
-    what it costs whatever the drafter accepts (the untrained break-even would then be the trained one); the records
-    so far say otherwise (the twenty-fifth session: untrained cycles at batch 1 were 11-27 % below the trained ones of
-    gpu-drafter-pipeline-13, across runs). Nothing when either is missing or they accept within 0.1 token."""
+    untrained's), and ``cycle_steps_per_accepted_token``, the same in plain decode steps: over whole requests, so each
+    request's fixed cost, carried by fewer cycles when more is accepted, is in it; ``cycle_marginal_ms_per_accepted_token``
+    from the fits (``online.request_fit``) leaves it out. 0 would mean a cycle costs the same whatever the drafter
+    accepts: gpu-drafter-pipeline-13's fits (3.3-3.7 ms a cycle) against gpu-breakeven-1's untrained cycles (3.3-3.6)
+    say about that, across runs. Nothing when either is missing or they accept within 0.1 token."""
     need = ("online_cycle_ms", "untrained_cycle_ms", "online_accept_length", "untrained_accept_length")
     if not all(m.get(k) for k in need):
         return {}
@@ -500,6 +518,9 @@ def accepting_cost(m: dict) -> dict:
     out = {"cycle_ms_per_accepted_token": per}
     if m.get("plain_ms_per_token"):
         out["cycle_steps_per_accepted_token"] = per / m["plain_ms_per_token"]
+    if m.get("online_cycle_marginal_ms") and m.get("untrained_cycle_marginal_ms"):  # the fixed costs left out
+        out["cycle_marginal_ms_per_accepted_token"] = (m["online_cycle_marginal_ms"]
+                                                       - m["untrained_cycle_marginal_ms"]) / da
     return out
 
 
@@ -547,6 +568,14 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if sa:
             m["online_accept_length_server"] = statistics.fmean(sa)
         m["online_sglang_spec_accept_length"] = statistics.fmean(r.get("sglang_spec_accept_length_mean", 0) for r in r1)
+        plain_fit = online.request_fit(srv["plain"]["by_concurrency"].get(1, {}))
+        if plain_fit:
+            m["plain_request_fixed_ms"], m["plain_step_marginal_ms"] = (plain_fit["request_fixed_ms"],
+                                                                        plain_fit["cycle_marginal_ms"])
+        fm = fit_metrics("online", srv["main"]["by_concurrency"][1], m.get("online_accept_length"), plain_fit)
+        m.update(fm)
+        if "online_breakeven_marginal" in fm:
+            m["breakeven_marginal_accept_length"] = fm["online_breakeven_marginal"]
     main_off = offline.get("main", {})
     if f"offline_tau_{s}" in main_off:
         m["offline_tau"] = main_off[f"offline_tau_{s}"]
@@ -603,6 +632,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
                 m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
                 m[f"{key}_cycle_ms"] = online.cycle_ms(a, tps)
+            m.update(fit_metrics(key, r["by_concurrency"][1], a,
+                                 online.request_fit(srv["plain"]["by_concurrency"].get(1, {}))))
     m.update(accepting_cost(m))
     m.update(control_offline(plan.controls, offline, s))
     if "engine" in plan.controls and "engine_accept_length" in m:

@@ -111,7 +111,7 @@ def measure(url: str, prompts, concurrency: int, max_new_tokens: int = 256) -> d
     return _summary(results, concurrency, time.perf_counter() - t0)
 
 
-def measure_interleaved(urls: dict, prompts: dict, max_new_tokens: int = 256) -> dict:
+def measure_interleaved(urls: dict, prompts: dict, max_new_tokens=256) -> dict:
     """Batch 1 on several servers in one pass, prompt by prompt: prompt i goes to every server in turn (the first one
     rotating with i, from the order of ``urls``) before prompt i + 1 goes to any. ``urls``, ``prompts``: name -> url,
     name -> prompts. Returns name -> ``measure``'s figures, each server's time the sum of its requests' times.
@@ -120,7 +120,8 @@ def measure_interleaved(urls: dict, prompts: dict, max_new_tokens: int = 256) ->
     558, 785 and 834 tokens/s, main's 348, 733 and 512, timed a server's 16 prompts at a time, ~5 s each), so two
     servers timed 5-40 s apart compare two moments, not two servers. Interleaved, a server's prompt and plain's same
     prompt run within one pass of the servers over that prompt (~3 s with 8 servers at ~0.4 s a request) and a drift
-    reaches both alike.
+    reaches both alike. ``max_new_tokens``: a number, or a list of them that prompt i takes in turn (``i % len``):
+    replies of several lengths let ``request_fit`` tell a request's fixed cost from a cycle's.
 
     Each request now finds its server idle through the other servers' requests (``--sleep-on-idle``): a fixed wake-up
     cost per request would pull every ratio towards 1; the next GPU record's per-request seconds against the earlier
@@ -128,6 +129,7 @@ def measure_interleaved(urls: dict, prompts: dict, max_new_tokens: int = 256) ->
     import requests
 
     names = list(urls)
+    lengths = [int(x) for x in max_new_tokens] if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)]
     sessions = {n: requests.Session() for n in names}
     got: dict = {n: [] for n in names}
     try:
@@ -135,7 +137,7 @@ def measure_interleaved(urls: dict, prompts: dict, max_new_tokens: int = 256) ->
             k = i % len(names)
             for n in names[k:] + names[:k]:
                 if i < len(prompts[n]):
-                    got[n].append(generate(sessions[n], urls[n], prompts[n][i], max_new_tokens))
+                    got[n].append(generate(sessions[n], urls[n], prompts[n][i], lengths[i % len(lengths)]))
     finally:
         for sess in sessions.values():
             sess.close()
@@ -191,7 +193,7 @@ def server_accept_length(url: str) -> float | None:
 WARM_TOKENS = 32  # new tokens per request of a concurrency's untimed warm pass
 
 
-def measure_servers(servers: dict, max_new_tokens: int, rounds: int = 1, after_round=None) -> dict:
+def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=None) -> dict:
     """Every server's concurrencies, ``rounds`` times, the servers interleaved. ``servers``: name -> (url,
     prompts_by_conc). Returns name -> {conc: {"rounds", "warm_seconds", median, min, max of output tokens/s}};
     ``after_round`` gets the same, so far, after each round (an interrupted run keeps whole rounds).
@@ -228,13 +230,17 @@ def measure_servers(servers: dict, max_new_tokens: int, rounds: int = 1, after_r
                 if conc == 1:
                     continue
                 flush(url)
-                m = measure(url, prompts, conc, max_new_tokens)
+                m = measure(url, prompts, conc, _longest(max_new_tokens))
                 m["server_accept_length"] = server_accept_length(url)
                 rows[name, conc].append(m)
         done = _by_server(rows, warm)
         if after_round is not None:
             after_round(done)
     return done
+
+
+def _longest(max_new_tokens) -> int:
+    return max(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else int(max_new_tokens)
 
 
 def _by_server(rows: dict, warm: dict) -> dict:
@@ -366,6 +372,33 @@ def accept_on_first(measured: dict, n: int) -> float | None:
     8 and 32 took 32 and 64 of them: 2.38 against 1.97 and 2.08 in gpu-drafter-pipeline-6)."""
     rows = (measured.get("rounds") or [{}])[0].get("per_request", [])[:n]
     return _pooled(rows, range(len(rows)))
+
+
+def request_fit(measured: dict) -> dict | None:
+    """Batch 1's requests of one server (``measure_servers``' result at concurrency 1, every round) fitted by least
+    squares as ``milliseconds = fixed + marginal x cycles``, cycles being its verify cycles (plain: its decode steps,
+    output tokens - 1). ``fixed``: what a request costs whatever its length (HTTP, tokenizer, prefill, the draft's
+    prefill, waking an idle scheduler); ``marginal``: one more cycle. Tokens/s over whole requests mixes the two: in
+    gpu-drafter-pipeline-13 the speculative servers' requests cost 35-54 ms fixed against plain's 20, and their
+    marginal cycles (3.3-3.7 ms) were those of an untrained drafter (gpu-breakeven-1: 3.3-3.6), where the cycle
+    over whole requests (4.0-4.6 ms) had looked like accepted tokens costing time. None without 3 requests whose
+    cycles differ (the fit needs replies of several lengths: ``measure_interleaved``'s list of max_new_tokens)."""
+    xs, ys = [], []
+    for r in measured.get("rounds", []):
+        per = r.get("per_request") or []
+        for i, (tokens, seconds) in enumerate(r.get("per_request_time", [])):
+            ver = per[i][0] if i < len(per) and per[i] and per[i][0] else None
+            xs.append(float(ver if ver else max(int(tokens) - 1, 0)))
+            ys.append(1000.0 * float(seconds))
+    if len(xs) < 3 or max(xs) - min(xs) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    resid = [y - (my - b * mx) - b * x for x, y in zip(xs, ys)]
+    s2 = sum(e * e for e in resid) / (len(xs) - 2)  # the standard errors: how far the requests pin each down
+    return {"request_fixed_ms": my - b * mx, "cycle_marginal_ms": b, "fit_requests": len(xs),
+            "request_fixed_ms_se": (s2 * (1 / len(xs) + mx * mx / sxx)) ** 0.5, "cycle_marginal_ms_se": (s2 / sxx) ** 0.5}
 
 
 def breakeven(accept: float, speedup: float) -> float | None:
