@@ -137,7 +137,7 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
     the run, whichever variant it is. A flag that slows plain decoding lowers its own variant's ratio without making
     speculation any faster (gpu-breakeven-sync: --disable-overlap-schedule, 1.89 against its own plain, 2.40 against
     the default plain); the best setting is the one that beats the best plain."""
-    metrics, table = {}, []
+    metrics, table, keys = {}, [], []
     plains = {s.name[len("plain-"):]: s.name for s in servings if s.drafter is None}
     for s in servings:
         if s.drafter is None:
@@ -162,7 +162,8 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
                             f"request_fixed_ms_{key}": sf["request_fixed_ms"],
                             f"plain_request_fixed_ms_{key}": pf["request_fixed_ms"],
                             f"breakeven_marginal_{key}": sf["cycle_marginal_ms"] / pf["cycle_marginal_ms"]})
-        table.append({"key": key, "variant": variant, "setting": f"({s.steps},{s.topk},{s.draft_tokens})",
+        keys.append(key)
+        table.append({"variant": variant, "setting": f"({s.steps},{s.topk},{s.draft_tokens})",
                       "plain ms/token": metrics[f"plain_ms_per_token_{key}"], "cycle ms": metrics[f"cycle_ms_{key}"],
                       "break-even": med, "rounds": " ".join(f"{x:.2f}" for x in be),
                       "untrained accept": metrics[f"untrained_accept_length_{key}"],
@@ -171,14 +172,11 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
                                               f"({metrics[f'plain_request_fixed_ms_{key}']:.0f})"}
                          if f"breakeven_marginal_{key}" in metrics else {})})
     if table:  # against the fastest plain server of the run: the strongest baseline a user would serve instead
-        fastest = min(r["plain ms/token"] for r in table)
-        fastest_variant = next(r["variant"] for r in table if r["plain ms/token"] == fastest)
-        for r in table:
-            r["vs fastest plain"] = r["cycle ms"] / fastest
-            metrics[f"breakeven_vs_fastest_plain_{r['key']}"] = r["vs fastest plain"]
+        fastest = min(table, key=lambda r: r["plain ms/token"])
+        for key, r in zip(keys, table):
+            r["vs fastest plain"] = r["cycle ms"] / fastest["plain ms/token"]
+            metrics[f"breakeven_vs_fastest_plain_{key}"] = r["vs fastest plain"]
         best = min(table, key=lambda r: r["vs fastest plain"])
         metrics.update(breakeven_best=best["vs fastest plain"], breakeven_best_setting=f"{best['variant']} {best['setting']}",
-                       fastest_plain=f"plain-{fastest_variant}", fastest_plain_ms_per_token=fastest)
-        for r in table:
-            del r["key"]
+                       fastest_plain=f"plain-{fastest['variant']}", fastest_plain_ms_per_token=fastest["plain ms/token"])
     return metrics, table

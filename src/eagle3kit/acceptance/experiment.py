@@ -534,6 +534,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
     srv = results["servers"]
     s, t, d = plan.serving
     m["online_serving"] = f"{s},{t},{d}"  # main's setting, which the unsuffixed figures are of
+    plain_fit = online.request_fit(srv.get("plain", {}).get("by_concurrency", {}).get(1, {}))  # once, for every server
     if "plain" in srv and "main" in srv:
         for conc in plan.concurrencies:
             if conc not in srv["main"]["by_concurrency"]:
@@ -568,7 +569,6 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if sa:
             m["online_accept_length_server"] = statistics.fmean(sa)
         m["online_sglang_spec_accept_length"] = statistics.fmean(r.get("sglang_spec_accept_length_mean", 0) for r in r1)
-        plain_fit = online.request_fit(srv["plain"]["by_concurrency"].get(1, {}))
         if plain_fit:
             m["plain_request_fixed_ms"], m["plain_step_marginal_ms"] = (plain_fit["request_fixed_ms"],
                                                                         plain_fit["cycle_marginal_ms"])
@@ -632,8 +632,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
                 m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
                 m[f"{key}_cycle_ms"] = online.cycle_ms(a, tps)
-            m.update(fit_metrics(key, r["by_concurrency"][1], a,
-                                 online.request_fit(srv["plain"]["by_concurrency"].get(1, {}))))
+            m.update(fit_metrics(key, r["by_concurrency"][1], a, plain_fit))
     m.update(accepting_cost(m))
     m.update(control_offline(plan.controls, offline, s))
     if "engine" in plan.controls and "engine_accept_length" in m:
