@@ -228,16 +228,18 @@ def test_fit_schedule_times_its_pace_after_the_first_step(small_dataset, tmp_pat
 
 def test_fit_schedule_fits_again_when_the_pace_slows(small_dataset, tmp_path, monkeypatch):
     """A pace that slows after the first fit (another process on the machine: 0.22 s a step, then 0.34 s in one CPU
-    run, which then stopped before its cosine ended) is caught a third of the way through the plan: fitted again on
-    the pace since the fit, the run still ends at the minimum lr, in time. The check can fail: the first fit's plan
-    at the slower pace would not have fitted in the budget."""
+    run, which then stopped before its cosine ended) is caught when a third of the time left has passed, here before
+    a third of the plan's steps have (a pace four times slower: a check by step count alone came too late, CI
+    2026-12-04, one fit and a stop at step 87 of 262): fitted again on the pace since the fit, the run still ends at
+    the minimum lr, in time. The check can fail: the first fit's plan at the slower pace would not have fitted in
+    the budget."""
     import eagle3kit.drafter.train as T
 
     real_forward, real_fit, fits = T.forward_batch, T._fitted_steps, []
 
     def slower_later(run, module, batch, steps, with_loss=True, walk=None):
-        if with_loss and len(fits) >= 1:  # after the first fit, every step 0.25 s slower
-            time.sleep(0.25)
+        if with_loss and len(fits) >= 1:  # after the first fit, every step 0.4 s slower
+            time.sleep(0.4)
         return real_forward(run, module, batch, steps, with_loss, walk)
 
     def spy(cfg, state, *a):
@@ -254,6 +256,7 @@ def test_fit_schedule_fits_again_when_the_pace_slows(small_dataset, tmp_path, mo
                           eval_every=100_000, fit_schedule=True, **TINY))
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
     assert len(fits) >= 2 and not s["train_stopped_early"], (fits, s["train_steps"])
+    assert fits[1][0] < fits[0][0] + (fits[0][1] - fits[0][0]) // 3, fits  # the time, not the step count, called it
     assert s["train_steps"] == s["train_total_steps_fitted"] < fits[0][1]  # shortened by the second look
     assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio, rel=1e-6)
     first_at, first_plan = fits[0]

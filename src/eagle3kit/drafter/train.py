@@ -615,7 +615,9 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     t_start = time.time()
     fit_from = state["step"] + 1 if cfg.fit_schedule and not state.get("fitted") else None  # pace timed from here
     fit_at, t_fit = (fit_from + FIT_AFTER if fit_from is not None else None), None
-    refit_at = t_refit = eval_at_fit = last_fit = None  # a third of the way through the plan: fitted again
+    # fitted again a third of the way through the plan, or sooner when a third of the time left has passed (a pace
+    # that more than triples would otherwise reach the budget before the step count does)
+    refit_at = t_refit = eval_at_fit = last_fit = refit_after_s = None
     while state["step"] < total_steps and not state.get("stopped_early"):
         epoch, in_epoch = divmod(state["step"], steps_per_epoch)
         batches = D.epoch_plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch, steps_per_epoch * per_step)
@@ -651,7 +653,10 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
             if run.device.type == "cuda":
                 torch.cuda.synchronize(run.device)
             dt = time.perf_counter() - t0
-            rows = int(dist.all_sum(torch.tensor([rows], device=run.device)).item()) if dist.world > 1 else rows
+            overdue = refit_at is not None and time.time() - t_refit > refit_after_s
+            if dist.world > 1:  # every rank checks at the same step: the overdue flags travel with the row counts
+                rows, overdue = (int(x) for x in dist.all_sum(torch.tensor([rows, int(overdue)], device=run.device)))
+            overdue = bool(overdue)
             state["step"] += 1
             state["tokens"] += rows
             state["train_seconds"] += dt
@@ -674,11 +679,11 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 state["total_steps"], state["fitted"], total_steps = dist_fitted, True, dist_fitted
                 print(f"[train] fit_schedule: {total_steps} of {state['planned_steps']} planned steps fit in "
                       f"max_minutes={cfg.max_minutes}", flush=True)
-            elif state["step"] == refit_at:
+            elif refit_at is not None and (state["step"] == refit_at or overdue):
                 # a pace that changed after the first 20 steps (another process on the machine, a later stretch of
                 # the data: 0.22 s a step, then 0.34 s, seen in a CPU test run) would end the run before the cosine
                 # does; the pace since the last fit, evaluations left out (counted apart), can only shorten the plan
-                pace = (time.time() - t_refit - (spent["eval"] - eval_at_fit)) / (refit_at - last_fit)
+                pace = (time.time() - t_refit - (spent["eval"] - eval_at_fit)) / (state["step"] - last_fit)
                 refit = min(total_steps, _fitted_steps(cfg, state, time.time() - t_start, pace, eval_seconds,
                                                        steps_per_epoch))
                 refit = int(dist.all_sum(torch.tensor([refit], device=run.device)).item()) // dist.world
@@ -686,11 +691,12 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                     print(f"[train] fit_schedule: the pace changed; {refit} steps fit instead of {total_steps}",
                           flush=True)
                     state["total_steps"], total_steps = refit, refit
-            if state["step"] in (fit_at, refit_at):  # the next check a third of the way through what is left
-                refit_at = None
+            if state["step"] == fit_at or (refit_at is not None and (state["step"] == refit_at or overdue)):
+                refit_at = None  # the next check a third of the way through what is left, in steps or in time
                 if total_steps - state["step"] >= 2 * FIT_AFTER:
                     refit_at = state["step"] + (total_steps - state["step"]) // 3
                     t_refit, eval_at_fit, last_fit = time.time(), spent["eval"], state["step"]
+                    refit_after_s = (60 * cfg.max_minutes * 0.95 - (t_refit - t_start)) / 3
                 if bar is not None:
                     bar.total = total_steps
                     bar.refresh()
