@@ -14,7 +14,11 @@ untimed warm pass; ``--rounds`` rounds. Prompts: the first user turns of embedde
 target's chat template, greedy, ``--max-new-tokens`` each (several: prompt i takes them in turn, so that each
 server's requests fit as fixed cost + marginal cycles, ``online.request_fit``; the untrained drafter's replies all
 ran to their limit in gpu-breakeven-1, and one length gives no fit). Every round's break-even is kept, with the median and the
-spread.
+spread. After each round's timed pass the same prompts go once more for one new token each (``measure_servers``'
+probe): each server's prefill path (``first_token_ms_<server>``, its plain's beside it, and SGLang's own
+``e2e_latency`` of those requests), apart from the timed requests. In SGLang 0.5.14 a plain server's prefill runs on
+the piecewise CUDA graph and an EAGLE target's eagerly (then the draft's eager extend); the variant
+``{"bcg": ["--cuda-graph-backend-prefill", "breakable"]}`` graphs both, and the probe shows what that is worth.
 
 usage: python benchmarks/spec_breakeven.py --out DIR [--target embedded:smollm2] [--draft-vocab 16384]
            [--settings 3,1,4 ...] [--variants JSON] [--prompts 16] [--rounds 3] [--max-new-tokens 64 256]

@@ -120,6 +120,10 @@
 # gap passed 30 s, and the load test (5 minutes in) went with the machine. Send the next poll first, read after.
 # The break-even benchmark (breakeven:480, 10 servers, 12 prompts, 3 rounds): healthy after 176 s, rounds done by
 # ~420 s; give it 480 (the servers now stop together, see capture.server.stop_all). 6 servers, 10 prompts: ~330 s.
+# Next for the fixed cost of a speculative request (35-54 ms against plain's 21 in -13): breakeven:480 with
+# E3K_BE_VARIANTS='{"base": [], "bcg": ["--cuda-graph-backend-prefill", "breakable"]}' E3K_BE_SETTINGS="3,1,4 7,1,8"
+# (6 servers): every round now ends with a one-token probe of each server's prefill path (first_token_ms_*); SGLang
+# 0.5.14 runs an EAGLE target's prefill eagerly and plain's on the piecewise graph (acceptance/DESIGN.md).
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain

@@ -543,7 +543,9 @@ def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
     records gpu-drafter-pipeline-3 and -6, 37-38 %), then each round flushes every server, times batch 1 of all of
     them prompt by prompt (the first server rotating with the prompt), reads each server's own accept length (which
     the next flush resets), then the other concurrencies one server at a time; forward on even rounds, backward on odd
-    ones. Warm speeds are not among the rounds; after each round the results so far are handed on."""
+    ones. Warm speeds are not among the rounds; after each round the results so far are handed on. After batch 1's
+    pass and the reads, the caches flushed again (else a prefix-cache hit), the same prompts for one token each,
+    interleaved alike: the prefill path's probe, kept apart from the timed requests."""
     calls, seen = [], []
 
     def fake_measure(url, prompts, conc, max_new_tokens=256):
@@ -552,8 +554,8 @@ def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
 
     def fake_generate(session, url, ids, max_new_tokens, timeout=600):
         calls.append((url, 1, ids, max_new_tokens))
-        return {"completion_tokens": 10, "verify_ct": None, "correct_drafts": None, "sglang_accept_length": None,
-                "seconds": float(len(calls)), "output_ids": [ids]}
+        return {"completion_tokens": max_new_tokens and 10, "verify_ct": None, "correct_drafts": None,
+                "sglang_accept_length": None, "seconds": float(len(calls)), "server_seconds": 0.5, "output_ids": [ids]}
 
     monkeypatch.setattr(online, "measure", fake_measure)
     monkeypatch.setattr(online, "generate", fake_generate)
@@ -568,18 +570,24 @@ def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
     def show(c):
         if c[0] in ("flush", "read"):
             return f"{c[0]} {c[1]}"
+        if c[1] == 1 and c[3] == 1:
+            return f"{c[0]}{c[2]}'"  # the one-token probe
         assert c[3] == 256  # no warm pass among the rounds
         return f"{c[0]}{c[2]}" if c[1] == 1 else f"{c[0]}x{c[1]}"
     forward = ["flush P", "flush M", "flush T", "P0", "M0", "T0", "M1", "T1", "P1", "read P", "read M", "read T",
-               "flush P", "Px8", "read P"]
+               "flush P", "flush M", "flush T", "P0'", "M0'", "T0'", "M1'", "T1'", "P1'", "flush P", "Px8", "read P"]
     backward = ["flush T", "flush M", "flush P", "T0", "M0", "P0", "M1", "P1", "T1", "read T", "read M", "read P",
-                "flush P", "Px8", "read P"]
+                "flush T", "flush M", "flush P", "T0'", "M0'", "P0'", "M1'", "P1'", "T1'", "flush P", "Px8", "read P"]
     assert [show(c) for c in calls[4:]] == forward + backward + forward
-    # a batch-1 round's time: the sum of its requests' (calls 9 and 11 for main in round 0)
+    # a batch-1 round's time: the sum of its requests' (calls 9 and 11 for main in round 0), the probe's apart
     assert out["main"][1]["rounds"][0]["seconds"] == 9.0 + 11.0
     assert out["main"][1]["rounds"][0]["per_request_time"] == [[10, 9.0], [10, 11.0]]
+    assert out["main"][1]["rounds"][0]["first_token"] == {"seconds": [21.0, 23.0], "server_seconds": [0.5, 0.5]}
+    assert online.first_token_ms(out["main"][1]) == {"first_token_ms": pytest.approx(1000 * 46.0),
+                                                     "first_token_requests": 6, "first_token_server_ms": 500.0}
+    assert online.first_token_ms(out["plain"][8]) is None  # no probe there (nor in records from before it)
     assert all(r["server_accept_length"] == 2.5 for m in out.values() for c in m.values() for r in c["rounds"])
-    assert out["plain"][8]["output_tokens_per_s_median"] == 33.0 and out["plain"][8]["warm_seconds"] >= 0
+    assert out["plain"][8]["output_tokens_per_s_median"] == 51.0 and out["plain"][8]["warm_seconds"] >= 0
     assert seen == [{"plain": 1, "main": 1, "tree": 1}, {"plain": 2, "main": 2, "tree": 2},
                     {"plain": 3, "main": 3, "tree": 3}]
 
@@ -803,6 +811,13 @@ def test_the_summary_gives_each_setting_its_marginal_cycle_and_the_speedup_long_
     assert m["cycle_marginal_ms_per_accepted_token"] == pytest.approx((3.5 - 3.4) / (m["online_accept_length"] - 1),
                                                                       rel=1e-2)
     assert m["cycle_ms_per_accepted_token"] > 2 * m["cycle_marginal_ms_per_accepted_token"]
+    assert not any("first_token" in k for k in m)  # measured without the probe: no figure made up
+    for who, ms in (("plain", 18.0), ("main", 31.0)):  # with it: each server's prefill path beside its fixed cost
+        srv[who][1]["rounds"][0]["first_token"] = {"seconds": [ms / 1000, ms / 1000 + 0.01, ms / 1000 - 0.001],
+                                                   "server_seconds": None}
+    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}, "failed": {}}, {}, {})
+    assert m["plain_first_token_ms"] == pytest.approx(18.0) and m["online_first_token_ms"] == pytest.approx(31.0)
+    assert "steps7_first_token_ms" not in m and "online_first_token_server_ms" not in m
 
 
 def test_a_variant_of_speculative_flags_only_is_held_against_plain_itself(tmp_path):
@@ -994,8 +1009,9 @@ def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path,
         return {"output_tokens_per_s": tps, "_outputs": [[1, 2, 3]], **({"accept_length": acc} if acc else {})}
 
     monkeypatch.setattr(online, "measure", fake_measure)
-    monkeypatch.setattr(online, "measure_interleaved", lambda urls, prompts, n: {
-        name: fake_measure(u, prompts[name], 1, n) for name, u in urls.items()})  # batch 1, servers in turn
+    monkeypatch.setattr(online, "measure_interleaved", lambda urls, prompts, n: {  # batch 1, servers in turn
+        name: {"per_request_time": [[1, 0.02]]} if n == 1 else fake_measure(u, prompts[name], 1, n)  # 1: the probe
+        for name, u in urls.items()})
     monkeypatch.setattr(online, "flush", lambda url: None)
     monkeypatch.setattr(online, "server_accept_length", lambda url: None)
     logged, proved = [], []

@@ -171,3 +171,12 @@ def test_replies_of_two_lengths_give_each_server_its_marginal_cycle_and_fixed_co
     assert m["plain_request_fixed_ms_base_3_1_4"] == pytest.approx(20)
     assert m["breakeven_marginal_base_3_1_4"] == pytest.approx(3.3 / 1.25)
     assert "marginal break-even" in table(rows) and "40 (20)" in table(rows)
+    assert not any("first_token" in k for k in m) and "first token" not in table(rows)
+    probed = {"plain-base": timed(20, 1.25, False), "base-3-1-4": timed(40, 3.3, True)}
+    for name, ms, server in (("plain-base", 12.0, 0.010), ("base-3-1-4", 30.0, 0.027)):
+        probed[name][1]["rounds"][0]["first_token"] = {"seconds": [ms / 1000] * 3, "server_seconds": [server] * 3}
+    m, rows = B.summarize(probed, servings)
+    assert m["first_token_ms_base_3_1_4"] == pytest.approx(30) and m["plain_first_token_ms_base_3_1_4"] == pytest.approx(12)
+    assert m["first_token_server_ms_base_3_1_4"] == pytest.approx(27)
+    assert m["plain_first_token_server_ms_base_3_1_4"] == pytest.approx(10)
+    assert "30.0 (12.0)" in table(rows)

@@ -13,7 +13,9 @@ cycles (gpu-breakeven-1) came to 2.4-2.9 plain steps and gpu-drafter-pipeline-13
 run's requests fitted as fixed cost + cycles (``online.request_fit``) gave marginal cycles of 3.3-3.7 ms, the
 untrained ones', and fixed costs of 35-54 ms against plain's 21. Hence replies of several lengths and the fit's
 figures beside the ratio (``breakeven_marginal_<server>``); notebook 05's ``untrained`` server compares the cycles in
-one run (``experiment.accepting_cost``).
+one run (``experiment.accepting_cost``). Where the fixed cost comes from is measured apart: one-token requests per
+server and round (``online.first_token_ms``: ``first_token_ms_<server>`` against ``plain_first_token_ms_<server>``),
+the prefill path alone, which SGLang 0.5.14 runs eagerly for an EAGLE target and on a CUDA graph for plain.
 
 So a user learns, for a target and SGLang's settings (steps, topk, draft tokens, attention backend, graphs), the
 least accept length a drafter needs before speculation pays, in minutes and before capturing anything, and which
@@ -155,6 +157,13 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
                         f"cycle_ms_{key}": statistics.median(r["cycle_ms"] for r in rows),
                         f"plain_ms_per_token_{key}": statistics.median(r["plain_ms_per_token"] for r in rows),
                         f"untrained_accept_length_{key}": statistics.fmean(r["accept_length"] for r in rows)})
+        pft, sft = online.first_token_ms(plain or {}), online.first_token_ms(spec or {})
+        if pft and sft:  # the prefill path alone (one-token requests): eager under EAGLE, on a graph in plain
+            metrics.update({f"first_token_ms_{key}": sft["first_token_ms"],
+                            f"plain_first_token_ms_{key}": pft["first_token_ms"]})
+            for who, ft in (("", sft), ("plain_", pft)):
+                if "first_token_server_ms" in ft:
+                    metrics[f"{who}first_token_server_ms_{key}"] = ft["first_token_server_ms"]
         pf, sf = online.request_fit(plain or {}), online.request_fit(spec or {})
         if pf and sf and pf["cycle_marginal_ms"] > 0:  # fixed costs left out: what long replies tend to
             metrics.update({f"cycle_marginal_ms_{key}": sf["cycle_marginal_ms"],
@@ -170,7 +179,10 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
                       **({"marginal break-even": metrics[f"breakeven_marginal_{key}"],
                           "fixed ms (plain)": f"{metrics[f'request_fixed_ms_{key}']:.0f} "
                                               f"({metrics[f'plain_request_fixed_ms_{key}']:.0f})"}
-                         if f"breakeven_marginal_{key}" in metrics else {})})
+                         if f"breakeven_marginal_{key}" in metrics else {}),
+                      **({"first token ms (plain)": f"{metrics[f'first_token_ms_{key}']:.1f} "
+                                                    f"({metrics[f'plain_first_token_ms_{key}']:.1f})"}
+                         if f"first_token_ms_{key}" in metrics else {})})
     if table:  # against the fastest plain server of the run: the strongest baseline a user would serve instead
         fastest = min(table, key=lambda r: r["plain ms/token"])
         for key, r in zip(keys, table):

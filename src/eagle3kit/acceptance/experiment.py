@@ -487,12 +487,14 @@ def fit_metrics(key: str, measured: dict, accept, plain_fit) -> dict:
     """``online.request_fit`` of one server's batch-1 requests under ``key``: ``<key>_request_fixed_ms``,
     ``<key>_cycle_marginal_ms`` (and their standard errors); with plain's fit and the accept length, the ratio with the
     fixed costs left out, what long replies tend to: ``<key>_breakeven_marginal`` (a cycle in plain steps) and
-    ``<key>_speedup_marginal``."""
+    ``<key>_speedup_marginal``. With the one-token probe (``online.first_token_ms``): ``<key>_first_token_ms`` (and
+    ``_server_ms``), the part of the fixed cost that is the prefill path."""
+    out = {f"{key}_{k}": v for k, v in (online.first_token_ms(measured or {}) or {}).items() if k != "first_token_requests"}
     f = online.request_fit(measured or {})
     if not f:
-        return {}
-    out = {f"{key}_request_fixed_ms": f["request_fixed_ms"], f"{key}_request_fixed_ms_se": f["request_fixed_ms_se"],
-           f"{key}_cycle_marginal_ms": f["cycle_marginal_ms"], f"{key}_cycle_marginal_ms_se": f["cycle_marginal_ms_se"]}
+        return out
+    out.update({f"{key}_request_fixed_ms": f["request_fixed_ms"], f"{key}_request_fixed_ms_se": f["request_fixed_ms_se"],
+                f"{key}_cycle_marginal_ms": f["cycle_marginal_ms"], f"{key}_cycle_marginal_ms_se": f["cycle_marginal_ms_se"]})
     if plain_fit and plain_fit["cycle_marginal_ms"] > 0 and f["cycle_marginal_ms"] > 0:
         out[f"{key}_breakeven_marginal"] = f["cycle_marginal_ms"] / plain_fit["cycle_marginal_ms"]
         if accept:
@@ -572,6 +574,9 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if plain_fit:
             m["plain_request_fixed_ms"], m["plain_step_marginal_ms"] = (plain_fit["request_fixed_ms"],
                                                                         plain_fit["cycle_marginal_ms"])
+        for k, v in (online.first_token_ms(srv["plain"]["by_concurrency"].get(1, {})) or {}).items():
+            if k != "first_token_requests":  # plain's prefill path, against each speculative server's
+                m[f"plain_{k}"] = v
         fm = fit_metrics("online", srv["main"]["by_concurrency"][1], m.get("online_accept_length"), plain_fit)
         m.update(fm)
         if "online_breakeven_marginal" in fm:

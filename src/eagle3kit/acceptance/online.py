@@ -91,7 +91,8 @@ def generate(session, url: str, ids, max_new_tokens: int, timeout: float = 600) 
     correct = m.get("spec_num_correct_drafts", m.get("spec_accepted_drafts"))
     return {"completion_tokens": int(m.get("completion_tokens", 0)), "verify_ct": m.get("spec_verify_ct"),
             "correct_drafts": correct, "sglang_accept_length": m.get("spec_accept_length"),
-            "seconds": time.perf_counter() - t0, "output_ids": out.get("output_ids")}
+            "seconds": time.perf_counter() - t0, "server_seconds": m.get("e2e_latency"),
+            "output_ids": out.get("output_ids")}
 
 
 def measure(url: str, prompts, concurrency: int, max_new_tokens: int = 256) -> dict:
@@ -152,6 +153,8 @@ def _summary(results: list, concurrency: int, wall: float) -> dict:
            "output_tokens_per_s": toks / wall if wall else 0.0}
     if concurrency == 1:  # per request, in prompt order: (output tokens, seconds), for the speedup's interval
         out["per_request_time"] = [[r["completion_tokens"], r["seconds"]] for r in results]
+        if results and all(r.get("server_seconds") is not None for r in results):  # SGLang's own e2e_latency: the
+            out["per_request_server_seconds"] = [float(r["server_seconds"]) for r in results]  # rest is HTTP, client
     ver = [r for r in results if r["verify_ct"]]
     if ver:
         v = sum(r["verify_ct"] for r in ver)
@@ -193,7 +196,7 @@ def server_accept_length(url: str) -> float | None:
 WARM_TOKENS = 32  # new tokens per request of a concurrency's untimed warm pass
 
 
-def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=None) -> dict:
+def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=None, first_token: bool = True) -> dict:
     """Every server's concurrencies, ``rounds`` times, the servers interleaved. ``servers``: name -> (url,
     prompts_by_conc). Returns name -> {conc: {"rounds", "warm_seconds", median, min, max of output tokens/s}};
     ``after_round`` gets the same, so far, after each round (an interrupted run keeps whole rounds).
@@ -204,7 +207,15 @@ def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=
     starts from flushed caches: batch 1 of every server prompt by prompt (``measure_interleaved``: until
     gpu-drafter-pipeline-12 each server's prompts were timed in one stretch, and batch-1 speed swung up to 2x between
     stretches: 0.61-0.93 for one setting's three rounds against plain), then the other concurrencies one server at a
-    time, forward on even rounds and backward on odd ones, so a drift during the run reaches every server alike."""
+    time, forward on even rounds and backward on odd ones, so a drift during the run reaches every server alike.
+
+    ``first_token``: after batch 1's pass, the caches flushed again, the same prompts once more for one new token
+    each, interleaved (a round's ``first_token``: each request's seconds, and SGLang's own ``e2e_latency`` of it):
+    the prefill path alone, which ``first_token_ms`` reads. Fitted over whole requests a speculative request cost
+    35-54 ms fixed against plain's 21 (gpu-drafter-pipeline-13); in SGLang 0.5.14 the target's prefill runs on the
+    piecewise CUDA graph in a plain server and eagerly under EAGLE (``model_runner.py``: "Disable prefill CUDA graph
+    for EAGLE target on tc_piecewise"), followed by the draft's eager extend. The probe tells whether that is the
+    fixed cost: it is about the time of the requests' prefill, not their decoding."""
     warm, rows = {}, {}
     for name, (url, by_conc) in servers.items():
         for conc, prompts in by_conc.items():
@@ -224,6 +235,14 @@ def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=
             for name in one:
                 got[name]["server_accept_length"] = server_accept_length(servers[name][0])
                 rows[name, 1].append(got[name])
+            if first_token:
+                for name in one:  # else every prompt but its last token would be a prefix-cache hit
+                    flush(servers[name][0])
+                probe = measure_interleaved({n: servers[n][0] for n in one}, {n: servers[n][1][1] for n in one}, 1)
+                for name in one:
+                    rows[name, 1][-1]["first_token"] = {
+                        "seconds": [t for _, t in probe[name]["per_request_time"]],
+                        "server_seconds": probe[name].get("per_request_server_seconds")}
         for name in order:
             url, by_conc = servers[name]
             for conc, prompts in by_conc.items():
@@ -399,6 +418,21 @@ def request_fit(measured: dict) -> dict | None:
     s2 = sum(e * e for e in resid) / (len(xs) - 2)  # the standard errors: how far the requests pin each down
     return {"request_fixed_ms": my - b * mx, "cycle_marginal_ms": b, "fit_requests": len(xs),
             "request_fixed_ms_se": (s2 * (1 / len(xs) + mx * mx / sxx)) ** 0.5, "cycle_marginal_ms_se": (s2 / sxx) ** 0.5}
+
+
+def first_token_ms(measured: dict) -> dict | None:
+    """The median milliseconds of batch 1's one-token requests over every round (``measure_servers``' probe):
+    ``first_token_ms`` from the client, ``first_token_server_ms`` by SGLang's own ``e2e_latency`` (tokenizer manager
+    in to out; the difference is HTTP and the client). A request's prefill path: the target's prefill, for a
+    speculative server also the draft's extend. None without the probe."""
+    client = [t for r in measured.get("rounds", []) for t in (r.get("first_token") or {}).get("seconds") or []]
+    if not client:
+        return None
+    server = [t for r in measured.get("rounds", []) for t in (r.get("first_token") or {}).get("server_seconds") or []]
+    out = {"first_token_ms": 1000.0 * statistics.median(client), "first_token_requests": len(client)}
+    if server:
+        out["first_token_server_ms"] = 1000.0 * statistics.median(server)
+    return out
 
 
 def breakeven(accept: float, speedup: float) -> float | None:
