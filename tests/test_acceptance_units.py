@@ -592,6 +592,32 @@ def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
                     {"plain": 3, "main": 3, "tree": 3}]
 
 
+def test_replies_of_several_lengths_are_asked_prompt_by_prompt_in_turn(monkeypatch):
+    """``measure_interleaved``'s list of max_new_tokens: prompt i asks for lengths[i % len] on every server, so each
+    server gets replies of every length (what ``request_fit`` needs) and each prompt the same length everywhere (its
+    times stay paired); ``measure_servers`` passes the list through and its probe asks for one token."""
+    asked = []
+
+    def fake_generate(session, url, ids, max_new_tokens, timeout=600):
+        asked.append((url, ids[0], max_new_tokens))
+        return {"completion_tokens": max_new_tokens, "verify_ct": None, "correct_drafts": None,
+                "sglang_accept_length": None, "seconds": 0.01, "output_ids": [ids]}
+
+    monkeypatch.setattr(online, "generate", fake_generate)
+    prompts = [[i] for i in range(5)]
+    online.measure_interleaved({"p": "P", "m": "M"}, {"p": prompts, "m": prompts}, [64, 256])
+    assert sorted(asked) == sorted((u, i, [64, 256][i % 2]) for u in "PM" for i in range(5))
+    asked.clear()
+    monkeypatch.setattr(online, "flush", lambda url: None)
+    monkeypatch.setattr(online, "server_accept_length", lambda url: None)
+    monkeypatch.setattr(online, "measure", lambda *a, **k: {"output_tokens_per_s": 1.0})  # the warm pass
+    out = online.measure_servers({"p": ("P", {1: prompts}), "m": ("M", {1: prompts})}, [64, 256], rounds=1)
+    timed = [(u, i, n) for u, i, n in asked if n != 1]
+    assert sorted(timed) == sorted((u, i, [64, 256][i % 2]) for u in "PM" for i in range(5))
+    assert sorted(x for x in asked if x[2] == 1) == sorted((u, i, 1) for u in "PM" for i in range(5))
+    assert [n for n, _ in out["m"][1]["rounds"][0]["per_request_time"]] == [64, 256, 64, 256, 64]
+
+
 def test_interleaved_batch_1_cancels_a_drift_of_the_host(monkeypatch):
     """The host's speed halves halfway through (gpu-drafter-pipeline-12: plain's rounds 558 to 834 tokens/s, one
     server's 348 to 733). Two servers of equal speed, timed prompt by prompt: each round's ratio is 1 and so is the
@@ -789,6 +815,11 @@ def test_a_requests_fixed_cost_is_told_from_its_cycles():
     # a fit needs replies of several lengths (the break-even benchmark's untrained replies were all 256 tokens)
     assert online.request_fit(_timed(20.0, 1.25, [256, 256, 256])[1]) is None
     assert online.request_fit(_timed(20.0, 1.25, [16, 256])[1]) is None  # and 3 requests
+    # replies all of one length, whose cycles differ only by the drafts accepted (253-255 for 256 tokens): no fit
+    same = _timed(40.0, 3.3, [256] * 16, accept=1.0)
+    same[1]["rounds"][0]["per_request"] = [[253 + i % 3, 0] for i in range(16)]
+    assert online.request_fit(same[1]) is None
+    assert online.request_fit(_timed(40.0, 3.3, [192, 256, 256], accept=1.0)[1])  # a quarter apart: a fit
 
 
 def test_the_summary_gives_each_setting_its_marginal_cycle_and_the_speedup_long_replies_tend_to(tmp_path):

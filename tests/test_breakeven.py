@@ -170,6 +170,15 @@ def test_replies_of_two_lengths_give_each_server_its_marginal_cycle_and_fixed_co
     assert m["cycle_marginal_ms_base_3_1_4"] == pytest.approx(3.3) and m["request_fixed_ms_base_3_1_4"] == pytest.approx(40)
     assert m["plain_request_fixed_ms_base_3_1_4"] == pytest.approx(20)
     assert m["breakeven_marginal_base_3_1_4"] == pytest.approx(3.3 / 1.25)
+    assert m["plain_step_marginal_ms_base_3_1_4"] == pytest.approx(1.25) and m["request_fixed_ms_se_base_3_1_4"] < 1e-6
+    # a server whose fit runs backwards (noise over too few requests) gets no marginal break-even, as in 05
+    m2, rows2 = B.summarize({"plain-base": timed(20, 1.25, False), "base-3-1-4": timed(400, -0.5, True)}, servings)
+    assert "breakeven_marginal_base_3_1_4" not in m2 and "breakeven_base_3_1_4" in m2
+    # the table's columns are every row's, not the first row's: a later setting's fit is shown
+    two = B.plan("/d", ["3,1,4", "5,1,6"], {"base": []})
+    m3, rows3 = B.summarize({"plain-base": timed(20, 1.25, False), "base-3-1-4": timed(400, -0.5, True),
+                             "base-5-1-6": timed(40, 3.3, True)}, two)
+    assert "marginal break-even" not in rows3[0] and "marginal break-even" in table(rows3)
     assert "marginal break-even" in table(rows) and "40 (20)" in table(rows)
     assert not any("first_token" in k for k in m) and "first token" not in table(rows)
     probed = {"plain-base": timed(20, 1.25, False), "base-3-1-4": timed(40, 3.3, True)}

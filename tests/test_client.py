@@ -374,3 +374,29 @@ def test_servers_stop_at_once_within_one_shared_grace(tmp_path):
 
     stop_all([Other()])
     assert Other.stopped
+
+    # a launcher that already exited (crashed; or a server that failed to start) left a child in its group that
+    # ignores SIGTERM, as SGLang's schedulers holding the GPU would: stopped all the same, its log closed
+    s = SGLangServer.__new__(SGLangServer)
+    s._log = open(tmp_path / "orphan.log", "w")
+    leader = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', " + repr(stubborn) + "]); "
+              "print('child', c.pid, flush=True)")
+    s.proc = subprocess.Popen([sys.executable, "-c", leader], stdout=s._log, start_new_session=True)
+    s.proc.wait(30)
+    deadline = time.time() + 30
+    while time.time() < deadline and "up" not in (tmp_path / "orphan.log").read_text():
+        time.sleep(0.05)
+    child = int((tmp_path / "orphan.log").read_text().split("child ")[1].split()[0])
+
+    def running(pid):  # a killed orphan may stay a zombie until init reaps it: that is not running
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    assert running(child) and s.proc.poll() is not None  # the child is there, the launcher is not
+    stop_all([s], grace=1.0)
+    t_end = time.time() + 10
+    while running(child) and time.time() < t_end:
+        time.sleep(0.05)
+    assert not running(child)  # the old stop looked at the launcher only and left the child running
+    assert s._log.closed

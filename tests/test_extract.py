@@ -567,7 +567,7 @@ def test_shards_partition_the_data(tokenizer):
         prepare_samples(convs, tokenizer, 64, world_size=3, rank=3)
 
 
-def test_conversations_that_become_no_sample_are_counted_by_reason(tokenizer):
+def test_conversations_that_become_no_sample_are_counted_by_reason(tokenizer, tmp_path):
     """gpu-03-extract-prefill-graph-fp8: 400 conversations kept, 387 samples, and the 13 between counted nowhere.
     A conversation without a reply, or whose prompt fills max_tokens before its reply starts, is no sample: counted."""
     from eagle3kit.extract import prepare_samples
@@ -581,6 +581,17 @@ def test_conversations_that_become_no_sample_are_counted_by_reason(tokenizer):
     assert [s.conv_id for s in got] == ["ok"]
     assert skipped == {"no assistant reply": 1, "fewer than 1 reply token(s) within max_tokens=64": 1}
     assert [s.conv_id for s in prepare_samples([ok, no_reply, long], tokenizer, 64)] == ["ok"]  # counting is optional
+    # end to end: what an extraction's report (its data_skipped) holds, from a data file
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in (ok, long, {**ok, "id": "ok2"})))
+    samples, report = load_samples(str(data), tokenizer, None, 64)
+    assert [s.conv_id for s in samples] == ["ok", "ok2"]
+    assert report.skipped.get("fewer than 1 reply token(s) within max_tokens=64") == 1, report.skipped
+    # a shard counts its own conversations only, and says so beside the loader's counts of all of them
+    _, r0 = load_samples(str(data), tokenizer, None, 64, world_size=2, rank=0)
+    _, r1 = load_samples(str(data), tokenizer, None, 64, world_size=2, rank=1)
+    assert "fewer than 1 reply token(s) within max_tokens=64 (rank 1's shard of 2)" in r1.skipped
+    assert not any("max_tokens" in k for k in r0.skipped)
 
 
 def test_a_mismatched_capture_server_is_refused_and_nothing_written_is_lost(tmp_path, target_path):

@@ -88,7 +88,8 @@ def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int 
             if sum(r.loss_mask) < min_loss_tokens:
                 why = f"fewer than {min_loss_tokens} reply token(s) within max_tokens={max_tokens}"
         if why:
-            if skipped is not None:
+            if skipped is not None:  # a shard's own count, beside the loader's counts of every conversation
+                why = why if world_size == 1 else f"{why} (rank {rank}'s shard of {world_size})"
                 skipped[why] = skipped.get(why, 0) + 1
             continue
         out.append(Sample(f"s{i:07d}", i, conv["id"], split_of(conv["id"], seed, heldout_percent),

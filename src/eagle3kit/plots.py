@@ -69,7 +69,7 @@ def table(rows: list[dict], cols=None, floatfmt="{:.4g}") -> str:
     """A plain-text table (no pandas needed)."""
     if not rows:
         return "(empty)"
-    cols = cols or list(rows[0])
+    cols = cols or list(dict.fromkeys(k for r in rows for k in r))  # every row's keys, first seen first
     cells = [[floatfmt.format(r.get(c)) if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
              for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]

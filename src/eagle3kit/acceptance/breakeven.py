@@ -136,7 +136,7 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
     the break-even against its own variant's plain server, its median over rounds, every round, and its spread ((max -
     min) / median); the cycle's and plain's milliseconds (medians); the untrained drafter's accept length (about 1).
     ``breakeven_vs_fastest_plain_<server>`` and ``breakeven_best``: the cycle against the fastest plain server of
-    the run, whichever variant it is. A flag that slows plain decoding lowers its own variant's ratio without making
+    the run among the variants with a speculative server measured, whichever variant it is. A flag that slows plain decoding lowers its own variant's ratio without making
     speculation any faster (gpu-breakeven-sync: --disable-overlap-schedule, 1.89 against its own plain, 2.40 against
     the default plain); the best setting is the one that beats the best plain."""
     metrics, table, keys = {}, [], []
@@ -165,11 +165,13 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
                 if "first_token_server_ms" in ft:
                     metrics[f"{who}first_token_server_ms_{key}"] = ft["first_token_server_ms"]
         pf, sf = online.request_fit(plain or {}), online.request_fit(spec or {})
-        if pf and sf and pf["cycle_marginal_ms"] > 0:  # fixed costs left out: what long replies tend to
-            metrics.update({f"cycle_marginal_ms_{key}": sf["cycle_marginal_ms"],
+        if pf and sf and pf["cycle_marginal_ms"] > 0 and sf["cycle_marginal_ms"] > 0:  # fixed costs left out: what
+            metrics.update({f"cycle_marginal_ms_{key}": sf["cycle_marginal_ms"],  # long replies tend to
                             f"cycle_marginal_ms_se_{key}": sf["cycle_marginal_ms_se"],
                             f"request_fixed_ms_{key}": sf["request_fixed_ms"],
+                            f"request_fixed_ms_se_{key}": sf["request_fixed_ms_se"],
                             f"plain_request_fixed_ms_{key}": pf["request_fixed_ms"],
+                            f"plain_step_marginal_ms_{key}": pf["cycle_marginal_ms"],
                             f"breakeven_marginal_{key}": sf["cycle_marginal_ms"] / pf["cycle_marginal_ms"]})
         keys.append(key)
         table.append({"variant": variant, "setting": f"({s.steps},{s.topk},{s.draft_tokens})",

@@ -398,10 +398,12 @@ def request_fit(measured: dict) -> dict | None:
     squares as ``milliseconds = fixed + marginal x cycles``, cycles being its verify cycles (plain: its decode steps,
     output tokens - 1). ``fixed``: what a request costs whatever its length (HTTP, tokenizer, prefill, the draft's
     prefill, waking an idle scheduler); ``marginal``: one more cycle. Tokens/s over whole requests mixes the two: in
-    gpu-drafter-pipeline-13 the speculative servers' requests cost 35-54 ms fixed against plain's 20, and their
+    gpu-drafter-pipeline-13 the speculative servers' requests cost 35-54 ms fixed against plain's 21, and their
     marginal cycles (3.3-3.7 ms) were those of an untrained drafter (gpu-breakeven-1: 3.3-3.6), where the cycle
     over whole requests (4.0-4.6 ms) had looked like accepted tokens costing time. None without 3 requests whose
-    cycles differ (the fit needs replies of several lengths: ``measure_interleaved``'s list of max_new_tokens)."""
+    cycles differ by at least a quarter of the most (the fit needs replies of several lengths: ``measure_interleaved``'s
+    list of max_new_tokens; replies all 256 tokens long whose cycles differ by the drafts accepted, 253 to 255, gave
+    a fixed cost of 60 +- 65 ms, which is no figure)."""
     xs, ys = [], []
     for r in measured.get("rounds", []):
         per = r.get("per_request") or []
@@ -409,7 +411,7 @@ def request_fit(measured: dict) -> dict | None:
             ver = per[i][0] if i < len(per) and per[i] and per[i][0] else None
             xs.append(float(ver if ver else max(int(tokens) - 1, 0)))
             ys.append(1000.0 * float(seconds))
-    if len(xs) < 3 or max(xs) - min(xs) < 2:
+    if len(xs) < 3 or max(xs) - min(xs) < max(2.0, 0.25 * max(xs)):
         return None
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)

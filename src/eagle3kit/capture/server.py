@@ -251,29 +251,53 @@ def check_capture_server(url: str, expect: dict, timeout: float = 10.0) -> None:
 def stop_all(servers, grace: float = 20) -> None:
     """Stop servers at once: SIGTERM to every process group, then one shared ``grace`` for all of them, then SIGKILL
     to what is left. Stopped one after another, ten servers that each outlived their 20 s of grace took the rest of
-    a benchmark's time limit after its last round (gpu-breakeven-1: exit 124 in the stops, its figures complete)."""
+    a benchmark's time limit after its last round (gpu-breakeven-1: exit 124 in the stops, its figures complete).
+    A group whose launcher already exited (crashed, or a server that failed to start) is stopped too: its scheduler
+    processes would otherwise keep the GPU's memory."""
     servers = list(servers)
     for s in servers:
         if not isinstance(s, SGLangServer):  # anything else with a stop() of its own
             s.stop()
-    live = [s for s in servers if isinstance(s, SGLangServer) and s.proc is not None and s.proc.poll() is None]
-    for s in live:
-        try:
-            os.killpg(s.proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    started = [s for s in servers if isinstance(s, SGLangServer) and s.proc is not None]
+    for s in started:
+        s.proc.poll()  # a launcher that exited is reaped: its group is then only the children it left
+        _signal_group(s.proc.pid, signal.SIGTERM)
     deadline = time.time() + grace
-    for s in live:
-        try:
-            s.proc.wait(max(0.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
+    for s in started:
+        while time.time() < deadline and _group_alive(s.proc.pid):
+            if s.proc.poll() is not None:  # the launcher gone, its children not yet
+                time.sleep(0.05)
+                continue
             try:
-                os.killpg(s.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                s.proc.wait(5)
+                s.proc.wait(min(0.1, max(0.0, deadline - time.time())))
             except subprocess.TimeoutExpired:
                 pass
-        s._log.close()
+    for s in started:
+        if _group_alive(s.proc.pid):
+            _signal_group(s.proc.pid, signal.SIGKILL)
+        try:
+            s.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    for s in servers:
+        if isinstance(s, SGLangServer) and getattr(s, "_log", None) is not None:
+            s._log.close()
+
+
+def _signal_group(pgid: int, sig) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of the group ``pgid`` (a server's, started in a session of its own) is still there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
