@@ -617,6 +617,16 @@ def test_replies_of_several_lengths_are_asked_prompt_by_prompt_in_turn(monkeypat
     assert sorted(x for x in asked if x[2] == 1) == sorted((u, i, 1) for u in "PM" for i in range(5))
     assert [n for n, _ in out["m"][1]["rounds"][0]["per_request_time"]] == [64, 256, 64, 256, 64]
 
+    def refused_one_token(session, url, ids, max_new_tokens, timeout=600):  # a server that fails the probe's requests
+        if max_new_tokens == 1:
+            raise RuntimeError("500 Server Error")
+        return fake_generate(session, url, ids, max_new_tokens)
+    monkeypatch.setattr(online, "generate", refused_one_token)
+    out = online.measure_servers({"p": ("P", {1: prompts}), "m": ("M", {1: prompts})}, [64, 256], rounds=2)
+    assert [len(out[n][1]["rounds"]) for n in "pm"] == [2, 2]  # the timed rounds are all there
+    assert out["m"][1]["rounds"][1]["first_token"] == {"error": "RuntimeError: 500 Server Error"}
+    assert online.first_token_ms(out["m"][1]) == {"first_token_error": "RuntimeError: 500 Server Error"}
+
 
 def test_interleaved_batch_1_cancels_a_drift_of_the_host(monkeypatch):
     """The host's speed halves halfway through (gpu-drafter-pipeline-12: plain's rounds 558 to 834 tokens/s, one

@@ -189,3 +189,7 @@ def test_replies_of_two_lengths_give_each_server_its_marginal_cycle_and_fixed_co
     assert m["first_token_server_ms_base_3_1_4"] == pytest.approx(27)
     assert m["plain_first_token_server_ms_base_3_1_4"] == pytest.approx(10)
     assert "30.0 (12.0)" in table(rows)
+    probed["base-3-1-4"][1]["rounds"][0]["first_token"] = {"error": "HTTPError: 500"}  # the probe failed there
+    m, rows = B.summarize(probed, servings)
+    assert m["first_token_error_base_3_1_4"] == "HTTPError: 500" and "first_token_ms_base_3_1_4" not in m
+    assert "breakeven_base_3_1_4" in m  # the timed figures stand

@@ -238,11 +238,15 @@ def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=
             if first_token:
                 for name in one:  # else every prompt but its last token would be a prefix-cache hit
                     flush(servers[name][0])
-                probe = measure_interleaved({n: servers[n][0] for n in one}, {n: servers[n][1][1] for n in one}, 1)
+                try:
+                    probe = measure_interleaved({n: servers[n][0] for n in one}, {n: servers[n][1][1] for n in one}, 1)
+                except Exception as e:  # a diagnostic: it never costs the timed figures (kept above) their round
+                    probe = {n: {"error": f"{type(e).__name__}: {str(e)[:300]}"} for n in one}
                 for name in one:
-                    rows[name, 1][-1]["first_token"] = {
-                        "seconds": [t for _, t in probe[name]["per_request_time"]],
-                        "server_seconds": probe[name].get("per_request_server_seconds")}
+                    p = probe[name]
+                    rows[name, 1][-1]["first_token"] = {"error": p["error"]} if "error" in p else {
+                        "seconds": [t for _, t in p["per_request_time"]],
+                        "server_seconds": p.get("per_request_server_seconds")}
         for name in order:
             url, by_conc = servers[name]
             for conc, prompts in by_conc.items():
@@ -426,10 +430,12 @@ def first_token_ms(measured: dict) -> dict | None:
     """The median milliseconds of batch 1's one-token requests over every round (``measure_servers``' probe):
     ``first_token_ms`` from the client, ``first_token_server_ms`` by SGLang's own ``e2e_latency`` (tokenizer manager
     in to out; the difference is HTTP and the client). A request's prefill path: the target's prefill, for a
-    speculative server also the draft's extend. None without the probe."""
+    speculative server also the draft's extend. None without the probe; ``first_token_error`` (the first) where its
+    requests failed in every round."""
     client = [t for r in measured.get("rounds", []) for t in (r.get("first_token") or {}).get("seconds") or []]
     if not client:
-        return None
+        errors = [r["first_token"]["error"] for r in measured.get("rounds", []) if "error" in (r.get("first_token") or {})]
+        return {"first_token_error": errors[0]} if errors else None
     server = [t for r in measured.get("rounds", []) for t in (r.get("first_token") or {}).get("server_seconds") or []]
     out = {"first_token_ms": 1000.0 * statistics.median(client), "first_token_requests": len(client)}
     if server:
