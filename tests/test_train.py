@@ -259,7 +259,7 @@ def test_fit_schedule_fits_again_when_the_pace_slows(small_dataset, tmp_path, mo
     assert fits[1][0] < fits[0][0] + (fits[0][1] - fits[0][0]) // 3, fits  # the time, not the step count, called it
     # and that look, on the pace since the first fit over the steps since it, already cut the plan to about its end
     # (a pace divided by the planned steps instead crept down over seven looks: 233, 165, 122, ... 59)
-    assert fits[1][1] <= s["train_steps"] * 1.15, (fits, s["train_steps"])
+    assert fits[1][1] <= s["train_steps"] * 1.3, (fits, s["train_steps"])  # the mutant: 165 for 59
     assert s["train_steps"] == s["train_total_steps_fitted"] < fits[0][1]  # shortened by the second look
     assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio, rel=1e-6)
     first_at, first_plan = fits[0]
