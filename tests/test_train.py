@@ -85,6 +85,46 @@ def test_two_gloo_ranks_equal_one_rank_with_the_same_global_batch(small_dataset,
     assert moved < 1e-4
 
 
+def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
+    """fit_schedule and max_minutes under DDP: every look at the pace (a third of the plan's steps, or a third of the
+    time left, whichever comes first) and the budget's stop happen at the same step on every rank, whichever rank's
+    clock called them, and the plan is the one that ends in time on every rank's clock (the least). Rank 1's clock
+    here runs 3x fast from the first fit on (its pace seems to slow; rank 0's does not): a rank that looked alone
+    would enter a collective the other does not (the flags unsynced: a hang), and an averaged plan would run out of
+    rank 1's time before its cosine ended (24 of 42 steps). Both end together, at the minimum lr, in time by either
+    clock. The first fit after 5 steps, not 20: a plan of 59 steps left no later look (stopped at 37)."""
+    out = tmp_path / "fit2"
+    wrapper = tmp_path / "fast_clock_rank1.py"
+    wrapper.write_text("import os, sys, time\n"
+                       "import eagle3kit.drafter.train as T\n"
+                       "real, switched, fit = time.time, [], T._fitted_steps\n"
+                       "time.time = lambda: real() if not switched else switched[0] + 3.0 * (real() - switched[0])\n"
+                       "def fitted(*a):\n"
+                       "    if os.environ.get('RANK') == '1' and not switched:\n"
+                       "        switched.append(real())\n"
+                       "    return fit(*a)\n"
+                       "T._fitted_steps = fitted\n"
+                       "T.FIT_AFTER = 5\n"  # later looks need 2 x FIT_AFTER steps left: a loaded machine's short plan
+                       "from eagle3kit.cli import main\n"
+                       "sys.exit(main(sys.argv[1:]))\n")
+    extra = {"epochs": 500, "max_minutes": 0.3, "eval_every": 100000, "fit_schedule": True, "save_every": 100000}
+    cmd = _cli(small_dataset, out, extra, torchrun=2)
+    cmd[cmd.index("-m", 3):cmd.index("eagle3kit.cli") + 1] = [str(wrapper)]  # torchrun runs the wrapper
+    try:
+        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-9", "-f", str(wrapper)])
+        raise AssertionError("the ranks hung: one entered a collective the other did not") from None
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert 0 < m["train_steps"] == m["train_total_steps_fitted"] < m["train_total_steps_planned"], m
+    assert not m["train_stopped_early"]
+    rows = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == m["train_steps"]
+    assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio, rel=1e-6)
+    assert "fit_schedule:" in r.stdout
+
+
 def test_training_learns_and_exports_what_was_trained(small_dataset, tmp_path):
     from eagle3kit.doctor import diagnose
     from eagle3kit.drafter.export import load_sglang_export, loadback_rel_err

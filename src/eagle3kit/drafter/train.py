@@ -155,6 +155,13 @@ class Dist:
             dist.all_reduce(t)
         return t
 
+    def all_min(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return t
+
 
 @dataclass
 class Run:
@@ -654,9 +661,13 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 torch.cuda.synchronize(run.device)
             dt = time.perf_counter() - t0
             overdue = refit_at is not None and time.time() - t_refit > refit_after_s
-            if dist.world > 1:  # every rank checks at the same step: the overdue flags travel with the row counts
-                rows, overdue = (int(x) for x in dist.all_sum(torch.tensor([rows, int(overdue)], device=run.device)))
-            overdue = bool(overdue)
+            out_of_time = bool(cfg.max_minutes) and time.time() - t_start > 60 * cfg.max_minutes
+            if dist.world > 1:  # every rank decides at the same step, whichever rank's clock called it: the flags
+                # travel with the row counts (a rank that looked or stopped alone would enter a collective the
+                # others do not: a hang)
+                rows, overdue, out_of_time = (int(x) for x in dist.all_sum(
+                    torch.tensor([rows, int(overdue), int(out_of_time)], device=run.device)))
+            overdue, out_of_time = bool(overdue), bool(out_of_time)
             state["step"] += 1
             state["tokens"] += rows
             state["train_seconds"] += dt
@@ -675,7 +686,8 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
             if state["step"] == fit_at:
                 fitted = _fitted_steps(cfg, state, time.time() - t_start, (time.time() - t_fit) / FIT_AFTER,
                                        eval_seconds, steps_per_epoch)
-                dist_fitted = int(dist.all_sum(torch.tensor([fitted], device=run.device)).item()) // dist.world
+                dist_fitted = int(dist.all_min(torch.tensor([fitted], device=run.device)).item())  # in time on
+                # every rank's clock
                 state["total_steps"], state["fitted"], total_steps = dist_fitted, True, dist_fitted
                 print(f"[train] fit_schedule: {total_steps} of {state['planned_steps']} planned steps fit in "
                       f"max_minutes={cfg.max_minutes}", flush=True)
@@ -686,7 +698,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 pace = (time.time() - t_refit - (spent["eval"] - eval_at_fit)) / (state["step"] - last_fit)
                 refit = min(total_steps, _fitted_steps(cfg, state, time.time() - t_start, pace, eval_seconds,
                                                        steps_per_epoch))
-                refit = int(dist.all_sum(torch.tensor([refit], device=run.device)).item()) // dist.world
+                refit = int(dist.all_min(torch.tensor([refit], device=run.device)).item())
                 if refit < total_steps:
                     print(f"[train] fit_schedule: the pace changed; {refit} steps fit instead of {total_steps}",
                           flush=True)
@@ -704,8 +716,7 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
             if (cfg.eval_every and state["step"] % cfg.eval_every == 0) or (not cfg.eval_every and end_of_epoch) \
                     or state["step"] == total_steps:
                 do_eval()
-            out_of_time = cfg.max_minutes and time.time() - t_start > 60 * cfg.max_minutes
-            if out_of_time and state["step"] < total_steps:
+            if out_of_time and state["step"] < total_steps:  # the budget, as of this step's end (before its eval)
                 state["stopped_early"] = True
                 print(f"[train] max_minutes={cfg.max_minutes} reached at step {state['step']} of {total_steps}",
                       flush=True)
