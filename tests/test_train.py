@@ -85,6 +85,71 @@ def test_two_gloo_ranks_equal_one_rank_with_the_same_global_batch(small_dataset,
     assert moved < 1e-4
 
 
+def test_two_gloo_ranks_resume_exactly_after_a_kill(small_dataset, tmp_path):
+    """Exact resume under DDP: two gloo ranks killed (SIGKILL to torchrun's whole group) after a checkpoint, then
+    resumed, end with the weights of an uninterrupted two-rank run (each rank's data position, the optimizer and the
+    schedule come back; a rank resuming elsewhere in its shard would train on other batches)."""
+    extra = {"max_steps": 30, "save_every": 2, "eval_every": 15, "grad_accum": 1}
+    whole, cut = tmp_path / "whole2", tmp_path / "cut2"
+    r = subprocess.run(_cli(small_dataset, whole, extra, torchrun=2), env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    p = subprocess.Popen(_cli(small_dataset, cut, extra, torchrun=2), env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpt, killed_at = cut / "checkpoints" / "last.pt", None
+    deadline = time.time() + 600
+    while time.time() < deadline and p.poll() is None:
+        if ckpt.exists():
+            try:
+                step = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]
+            except Exception:  # being replaced at this moment
+                step = 0
+            if step >= 4:  # the machine dies: torchrun and its workers, each worker in a session of its own
+                workers = [int(x) for x in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
+                for pid in [p.pid, *workers]:
+                    os.kill(pid, signal.SIGKILL)
+                killed_at = step
+                break
+        time.sleep(0.05)
+    p.wait()
+    for pid in workers if killed_at is not None else []:
+        while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]:
+            time.sleep(0.05)  # gone (or a zombie until init reaps it)
+    left = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]  # what the kill left on disk
+    assert killed_at is not None and left < 30 and not (cut / "metrics.json").exists(), "not interrupted"
+    r = subprocess.run(_cli(small_dataset, cut, extra, torchrun=2), env=_env(), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {ckpt} at step {left} of 30" in r.stdout
+    a, b = _weights(whole), _weights(cut)
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max())
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (whole, cut))
+    assert ma["train_steps"] == mb["train_steps"] == 30 and ma["train_tokens_seen"] == mb["train_tokens_seen"]
+
+
+def test_a_second_training_into_the_same_folder_is_refused(small_dataset, tmp_path):
+    """Two trainings writing one out_dir would interleave checkpoints and logs (torchrun's orphaned workers did, while
+    the run was resumed: a checkpoint renamed from under the other). While one holds the folder another is refused
+    at once, naming the holder, on one rank and on every rank under DDP (none left waiting in a collective); the
+    folder's contents stay as they were; once it is released, training there works."""
+    from eagle3kit.pipeline import exclusive
+
+    out = tmp_path / "busy"
+    train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with exclusive(out, "training"):
+        with pytest.raises(TrainError, match=f"another training is writing there \\(pid {os.getpid()}"):
+            train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))
+        r = subprocess.run(_cli(small_dataset, out, {"max_steps": 2}, torchrun=2), env=_env(), capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode != 0 and "another training is writing there" in r.stdout + r.stderr
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    s = train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))  # the same run, resumed
+    assert s["train_steps"] == 2 and not (out / ".lock").exists()
+
+
 def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
     """fit_schedule and max_minutes under DDP: every look at the pace (a third of the plan's steps, or a third of the
     time left, whichever comes first) and the budget's stop happen at the same step on every rank, whichever rank's

@@ -155,10 +155,10 @@ def prefill_graph_report(log_path) -> dict:
 
 
 @contextmanager
-def exclusive(out_dir):
-    """Hold ``<out>/.lock`` (flock) while an extraction writes there: a second extraction into the same folder is
-    refused at once, naming the holder. A folder this call created and left empty (a run refused after its
-    checks, e.g. nothing to capture) is removed again, so it locks no settings."""
+def exclusive(out_dir, kind: str = "extraction"):
+    """Hold ``<out>/.lock`` (flock) while an extraction (or a training: ``kind``) writes there: a second one into the
+    same folder is refused at once, naming the holder. A folder this call created and left empty (a run refused
+    after its checks, e.g. nothing to capture) is removed again, so it locks no settings."""
     import fcntl
 
     out = Path(out_dir)
@@ -172,8 +172,9 @@ def exclusive(out_dir):
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise ValueError(f"--out {out}: another extraction is writing there ({holder}); wait for it to finish, or "
-                         f"choose another --out (shards of one data set each get their own folder)") from None
+        raise ValueError(f"--out {out}: another {kind} is writing there ({holder}); wait for it to finish, or "
+                         f"choose another --out" + (" (shards of one data set each get their own folder)"
+                                                    if kind == "extraction" else "")) from None
     try:
         f.seek(0)
         f.truncate()

@@ -523,9 +523,6 @@ def _check_resume(out: Path, cfg: TrainConfig) -> None:
 
 def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     """Train (or resume) and return the summary written to ``<out_dir>/metrics.json``."""
-    from eagle3kit.drafter.model import trainable_state
-    from eagle3kit.drafter.ttt import TTTModule
-
     t_call = time.time()
     # where this invocation's time went besides the steps: evaluations (with the best checkpoint's export), the final
     # export, checkpoints
@@ -541,6 +538,45 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
 
         if not tdist.is_initialized():
             tdist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
+    with _exclusive_out_dir(out, dist):
+        return _train(cfg, dist, out, t_call, spent)
+
+
+@contextlib.contextmanager
+def _exclusive_out_dir(out: Path, dist: Dist):
+    """Rank 0 holds ``<out_dir>/.lock`` for the whole training (``pipeline.exclusive``): a second training into the
+    folder is refused on every rank, naming the holder, before it reads or writes a checkpoint. Two at once would
+    interleave their checkpoints and logs: seen when torchrun was SIGKILLed and its workers (each in a session of its
+    own) trained on as orphans while the run was resumed, which then failed renaming a checkpoint the orphan had
+    just renamed."""
+    from eagle3kit.pipeline import exclusive
+
+    with contextlib.ExitStack() as stack:
+        why = None
+        if dist.rank == 0:
+            try:
+                stack.enter_context(exclusive(out, "training"))
+            except ValueError as e:
+                why = str(e)
+        refused = why is not None
+        if dist.world > 1:  # every rank learns rank 0's verdict (else the others would wait in a collective)
+            refused = bool(dist.all_sum(torch.tensor([int(refused)], device=_dist_device(dist))).item())
+        if refused:
+            raise TrainError(why or f"out_dir {out}: rank 0 found another training writing there; wait for it to "
+                                    f"finish, or choose another out_dir")
+        yield
+
+
+def _dist_device(dist: Dist) -> torch.device:
+    import torch.distributed as tdist
+
+    return torch.device("cuda", dist.local_rank) if tdist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) -> dict:
+    from eagle3kit.drafter.model import trainable_state
+    from eagle3kit.drafter.ttt import TTTModule
+
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     run = setup(cfg, dist)
