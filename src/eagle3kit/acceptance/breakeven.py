@@ -136,9 +136,10 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
     the break-even against its own variant's plain server, its median over rounds, every round, and its spread ((max -
     min) / median); the cycle's and plain's milliseconds (medians); the untrained drafter's accept length (about 1).
     ``breakeven_vs_fastest_plain_<server>`` and ``breakeven_best``: the cycle against the fastest plain server of
-    the run among the variants with a speculative server measured, whichever variant it is. A flag that slows plain decoding lowers its own variant's ratio without making
-    speculation any faster (gpu-breakeven-sync: --disable-overlap-schedule, 1.89 against its own plain, 2.40 against
-    the default plain); the best setting is the one that beats the best plain."""
+    the run among the variants with a speculative server measured, whichever variant it is. A flag that slows plain
+    decoding lowers its own variant's ratio without making speculation any faster (gpu-breakeven-sync:
+    --disable-overlap-schedule, 1.89 against its own plain, 2.40 against the default plain); the best setting is the
+    one that beats the best plain."""
     metrics, table, keys = {}, [], []
     plains = {s.name[len("plain-"):]: s.name for s in servings if s.drafter is None}
     for s in servings:
