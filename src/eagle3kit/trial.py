@@ -41,6 +41,7 @@ class Case:
     outcome: str = "refused"  # or "counted"
     untouched: tuple = ()  # paths (in the trial folder) a refused run must not create or change
     kind: str = ""  # the group: data file, option, data set, drafter, params, ...
+    busy: str = ""  # a folder (in the trial folder) that another run holds while the case runs (the trial holds it)
 
 
 def _g(i: int) -> dict:
@@ -195,6 +196,10 @@ CASES = [
          untouched=("afile",), kind="train setting"),
     Case("train: a resume with other settings", ["train", "--data", "ds", "--out", "tr", *TINY_TRAIN, "--set",
                                                  "lr=0.1"], ("lr",), untouched=("tr",), kind="train setting"),
+    Case("train: into a folder another training is writing", ["train", "--data", "ds", "--out", "tr-busy",
+                                                              *TINY_TRAIN],
+         ("tr-busy", "another training is writing there", "pid"), untouched=("tr-busy",), kind="drafter",
+         busy="tr-busy"),
     Case("train: a planted pickle in the checkpoint", ["train", "--data", "ds", "--out", "tr-pickle", *TINY_TRAIN],
          ("last.pt",), untouched=("tr-pickle",), kind="drafter"),
     # drafters given to export and doctor
@@ -259,7 +264,7 @@ def prepare(folder: Path, python: str = sys.executable) -> dict:
 
 def _broken_copies(folder: Path) -> None:
     ds, tr = folder / "ds", folder / "tr"
-    for name in ("ds-flip", "ds-missing", "ds-badmanifest", "ds-repair", "tr-pickle", "tr-cut"):
+    for name in ("ds-flip", "ds-missing", "ds-badmanifest", "ds-repair", "tr-pickle", "tr-cut", "tr-busy"):
         shutil.rmtree(folder / name, ignore_errors=True)
         shutil.copytree(ds if name.startswith("ds") else tr, folder / name)
     for d in ("ds-flip", "ds-repair"):
@@ -310,6 +315,15 @@ def judge(case: Case, rc: int, out: str, before: dict, after: dict) -> str | Non
 
 
 def run_case(case: Case, folder: Path, python: str = sys.executable, timeout: float = 300) -> dict:
+    import contextlib
+
+    from eagle3kit.pipeline import exclusive
+
+    with exclusive(folder / case.busy, "training") if case.busy else contextlib.nullcontext():
+        return _run_case(case, folder, python, timeout)
+
+
+def _run_case(case: Case, folder: Path, python: str, timeout: float) -> dict:
     before = {p: _snapshot(folder / p) for p in case.untouched}
     t0 = time.time()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3KIT_PROGRESS": "0"}
