@@ -21,6 +21,11 @@ def test_every_bad_input_is_refused_or_counted(tmp_path):
     # the trial also proved the check it exists for: run on a good command, the judge fails it
     good = run_case(Case("a good command", ["verify", "ds"], ("ds",)), tmp_path / "trial")
     assert not good["ok"] and good["problem"].startswith("exit 0")
+    # and the busy folder's case holds only because the folder is held: free, that training runs (exit 0)
+    busy = next(c for c in CASES if c.busy)
+    free = run_case(Case(busy.name, busy.argv, busy.words, untouched=busy.untouched, kind=busy.kind),
+                    tmp_path / "trial")
+    assert not free["ok"] and free["problem"].startswith("exit 0")
 
 
 def test_the_judge_fails_what_a_user_must_not_see():
