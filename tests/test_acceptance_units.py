@@ -584,7 +584,8 @@ def test_servers_are_warmed_then_timed_in_interleaved_rounds(monkeypatch):
     assert out["main"][1]["rounds"][0]["per_request_time"] == [[10, 9.0], [10, 11.0]]
     assert out["main"][1]["rounds"][0]["first_token"] == {"seconds": [21.0, 23.0], "server_seconds": [0.5, 0.5]}
     assert online.first_token_ms(out["main"][1]) == {"first_token_ms": pytest.approx(1000 * 46.0),
-                                                     "first_token_requests": 6, "first_token_server_ms": 500.0}
+                                                     "first_token_server_ms": 500.0}
+    assert sum(len(r["first_token"]["seconds"]) for r in out["main"][1]["rounds"]) == 6  # 2 prompts x 3 rounds
     assert online.first_token_ms(out["plain"][8]) is None  # no probe there (nor in records from before it)
     assert all(r["server_accept_length"] == 2.5 for m in out.values() for c in m.values() for r in c["rounds"])
     assert out["plain"][8]["output_tokens_per_s_median"] == 51.0 and out["plain"][8]["warm_seconds"] >= 0
@@ -858,6 +859,10 @@ def test_the_summary_gives_each_setting_its_marginal_cycle_and_the_speedup_long_
                                                    "server_seconds": None}
     m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}, "failed": {}}, {}, {})
     assert m["plain_first_token_ms"] == pytest.approx(18.0) and m["online_first_token_ms"] == pytest.approx(31.0)
+    from eagle3kit.acceptance import compare
+
+    head = compare.table([{"run": "r", **m}]).splitlines()[0].split()  # 06's table shows the fit and the probe
+    assert {"online_first_token_ms", "plain_first_token_ms", "online_speedup_marginal", "online_request_fixed_ms"} <= set(head)
     assert "steps7_first_token_ms" not in m and "online_first_token_server_ms" not in m
 
 

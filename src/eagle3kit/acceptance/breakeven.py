@@ -159,16 +159,11 @@ def summarize(measured: dict, servings: list[Serving]) -> tuple[dict, list[dict]
                         f"plain_ms_per_token_{key}": statistics.median(r["plain_ms_per_token"] for r in rows),
                         f"untrained_accept_length_{key}": statistics.fmean(r["accept_length"] for r in rows)})
         pft, sft = online.first_token_ms(plain or {}), online.first_token_ms(spec or {})
-        for who, ft in (("", sft), ("plain_", pft)):
-            if ft and "first_token_error" in ft:  # the probe failed: said, not left out silently
-                metrics[f"{who}first_token_error_{key}"] = ft["first_token_error"]
-        if pft and sft and "first_token_ms" in pft and "first_token_ms" in sft:  # the prefill path alone (one-token
-            # requests): eager under EAGLE, on a graph in plain
-            metrics.update({f"first_token_ms_{key}": sft["first_token_ms"],
-                            f"plain_first_token_ms_{key}": pft["first_token_ms"]})
-            for who, ft in (("", sft), ("plain_", pft)):
-                if "first_token_server_ms" in ft:
-                    metrics[f"{who}first_token_server_ms_{key}"] = ft["first_token_server_ms"]
+        both = all(ft and "first_token_ms" in ft for ft in (sft, pft))  # the prefill path alone (one-token
+        for who, ft in (("", sft), ("plain_", pft)):  # requests), eager under EAGLE, on a graph in plain: the pair,
+            for k, v in (ft or {}).items():  # and a failed probe said, not left out silently
+                if both or k == "first_token_error":
+                    metrics[f"{who}{k}_{key}"] = v
         pf, sf = online.request_fit(plain or {}), online.request_fit(spec or {})
         if pf and sf and pf["cycle_marginal_ms"] > 0 and sf["cycle_marginal_ms"] > 0:  # fixed costs left out: what
             metrics.update({f"cycle_marginal_ms_{key}": sf["cycle_marginal_ms"],  # long replies tend to

@@ -489,7 +489,7 @@ def fit_metrics(key: str, measured: dict, accept, plain_fit) -> dict:
     fixed costs left out, what long replies tend to: ``<key>_breakeven_marginal`` (a cycle in plain steps) and
     ``<key>_speedup_marginal``. With the one-token probe (``online.first_token_ms``): ``<key>_first_token_ms`` (and
     ``_server_ms``), the part of the fixed cost that is the prefill path."""
-    out = {f"{key}_{k}": v for k, v in (online.first_token_ms(measured or {}) or {}).items() if k != "first_token_requests"}
+    out = {f"{key}_{k}": v for k, v in (online.first_token_ms(measured or {}) or {}).items()}
     f = online.request_fit(measured or {})
     if not f:
         return out
@@ -575,8 +575,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             m["plain_request_fixed_ms"], m["plain_step_marginal_ms"] = (plain_fit["request_fixed_ms"],
                                                                         plain_fit["cycle_marginal_ms"])
         for k, v in (online.first_token_ms(srv["plain"]["by_concurrency"].get(1, {})) or {}).items():
-            if k != "first_token_requests":  # plain's prefill path, against each speculative server's
-                m[f"plain_{k}"] = v
+            m[f"plain_{k}"] = v  # plain's prefill path, against each speculative server's
         fm = fit_metrics("online", srv["main"]["by_concurrency"][1], m.get("online_accept_length"), plain_fit)
         m.update(fm)
         if "online_breakeven_marginal" in fm:

@@ -437,7 +437,7 @@ def first_token_ms(measured: dict) -> dict | None:
         errors = [r["first_token"]["error"] for r in measured.get("rounds", []) if "error" in (r.get("first_token") or {})]
         return {"first_token_error": errors[0]} if errors else None
     server = [t for r in measured.get("rounds", []) for t in (r.get("first_token") or {}).get("server_seconds") or []]
-    out = {"first_token_ms": 1000.0 * statistics.median(client), "first_token_requests": len(client)}
+    out = {"first_token_ms": 1000.0 * statistics.median(client)}
     if server:
         out["first_token_server_ms"] = 1000.0 * statistics.median(server)
     return out

@@ -149,17 +149,16 @@ class Dist:
                    int(os.environ.get("LOCAL_RANK", 0)))
 
     def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(t)
-        return t
+        return self._all_reduce(t, "SUM")
 
     def all_min(self, t: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(t, "MIN")
+
+    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         if self.world > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         return t
 
 
@@ -719,6 +718,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
                 bar.update(1)
             if state["step"] == fit_from:
                 t_fit = time.time()
+            look = refit_at is not None and (state["step"] == refit_at or overdue)  # the same step on every rank
             if state["step"] == fit_at:
                 fitted = _fitted_steps(cfg, state, time.time() - t_start, (time.time() - t_fit) / FIT_AFTER,
                                        eval_seconds, steps_per_epoch)
@@ -727,7 +727,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
                 state["total_steps"], state["fitted"], total_steps = dist_fitted, True, dist_fitted
                 print(f"[train] fit_schedule: {total_steps} of {state['planned_steps']} planned steps fit in "
                       f"max_minutes={cfg.max_minutes}", flush=True)
-            elif refit_at is not None and (state["step"] == refit_at or overdue):
+            elif look:
                 # a pace that changed after the first 20 steps (another process on the machine, a later stretch of
                 # the data: 0.22 s a step, then 0.34 s, seen in a CPU test run) would end the run before the cosine
                 # does; the pace since the last fit, evaluations left out (counted apart), can only shorten the plan
@@ -739,7 +739,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
                     print(f"[train] fit_schedule: the pace changed; {refit} steps fit instead of {total_steps}",
                           flush=True)
                     state["total_steps"], total_steps = refit, refit
-            if state["step"] == fit_at or (refit_at is not None and (state["step"] == refit_at or overdue)):
+            if state["step"] == fit_at or look:
                 refit_at = None  # the next check a third of the way through what is left, in steps or in time
                 if total_steps - state["step"] >= 2 * FIT_AFTER:
                     refit_at = state["step"] + (total_steps - state["step"]) // 3
