@@ -1022,6 +1022,48 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
     assert m["online_speedup_ci95_low"] == pytest.approx(0.9) == m["steps3_speedup_ci95_high"]
 
 
+def test_a_serving_flag_is_judged_against_sglangs_defaults_and_the_fastest_plain_server():
+    """A variant whose flags are not speculative ones (SGLang's breakable prefill graph, which an EAGLE target may use
+    and the default piecewise one not) changes plain too: its speedup against its own plain is kept, and also given
+    against plain served with SGLang's defaults; the best setting is chosen among main, the sweep and main under each
+    variant, against the fastest plain server of the run, whichever variant it is."""
+    from eagle3kit.acceptance import experiment
+
+    bcg = ["--cuda-graph-backend-prefill", "breakable"]
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3, 7), trees=(),
+                                 variants={"bcg": bcg}, concurrencies=(1,))
+    assert "plain-bcg" in [s.name for s in experiment.servings(plan, Path("/nonexistent"))]
+    srv = {"plain": _measured([100.0, 104.0]), "main": _measured([101.0, 103.0], [2.5, 2.5]),
+           "steps7": _measured([106.0, 108.0], [3.0, 3.0]), "plain-bcg": _measured([96.0, 100.0]),
+           "main-bcg": _measured([110.0, 114.0], [2.5, 2.5])}
+    settings = {"main": [3, 1, 4], "steps7": [7, 1, 8], "main-bcg": [3, 1, 4]}
+    results = {"servers": {k: {"by_concurrency": v, "setting": settings.get(k)} for k, v in srv.items()}}
+    m = experiment.summarize(plan, results, {}, {})
+    assert m["bcg_speedup"] == pytest.approx(112 / 98)  # against its own plain, which the flag slowed
+    assert m["bcg_speedup_vs_plain"] == pytest.approx(112 / 102)  # against SGLang's defaults
+    assert (m["bcg_speedup_vs_plain_rounds_min"], m["bcg_speedup_vs_plain_rounds_max"]) == pytest.approx(
+        (114 / 104, 110 / 100))  # round by round
+    assert m["online_best_setting"] == "main-bcg (3,1,4) --cuda-graph-backend-prefill breakable"
+    assert m["online_best_baseline"] == "plain" and m["online_best_speedup"] == pytest.approx(112 / 102)
+    assert m["online_best_speedup_rounds_min"] == pytest.approx(114 / 104) and m["online_best_accept_length"] == 2.5
+    # the flag speeds plain more than main: the best is judged against that plain, not the slower default
+    results["servers"]["plain-bcg"]["by_concurrency"] = _measured([120.0, 124.0])
+    m = experiment.summarize(plan, results, {}, {})
+    assert m["online_best_baseline"] == "plain-bcg" and m["online_best_setting"] == "main-bcg (3,1,4) " + " ".join(bcg)
+    assert m["online_best_speedup"] == pytest.approx(112 / 122) and m["bcg_speedup_vs_plain"] == pytest.approx(112 / 102)
+    # without the variant's main, the sweep's best against the faster plain
+    del results["servers"]["main-bcg"]
+    m = experiment.summarize(plan, results, {}, {})
+    assert m["online_best_setting"] == "steps7 (7,1,8)" and m["online_best_speedup"] == pytest.approx(107 / 122)
+    # a speculative-only variant has no plain of its own: it is judged against plain, and no vs_plain twin is written
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(),
+                                 variants={"adaptive": ["--speculative-adaptive"]}, concurrencies=(1,))
+    srv = {"plain": _measured([100.0]), "main": _measured([101.0], [2.5]), "main-adaptive": _measured([105.0], [2.6])}
+    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}}, {}, {})
+    assert m["online_best_setting"] == "main-adaptive (3,1,4) --speculative-adaptive"
+    assert m["online_best_speedup"] == pytest.approx(1.05) == m["adaptive_speedup"] and "adaptive_speedup_vs_plain" not in m
+
+
 def test_an_interrupted_online_run_keeps_the_rounds_measured_before_it(tmp_path, monkeypatch):
     """A serve phase cut by its time limit (record gpu-drafter-pipeline-7: 10 of 11 servers measured, then the
     interrupt, and no figure but the log's) keeps every whole round measured so far in partial.json; record_partial

@@ -27,7 +27,7 @@ COLUMNS = ["run", "extract_engine", "extract_regenerated", "layer_ids", "storage
            "online_speedup", "breakeven_accept_length", "plain_ms_per_token", "online_cycle_ms",
            "online_speedup_marginal", "breakeven_marginal_accept_length", "online_request_fixed_ms",
            "plain_request_fixed_ms", "online_first_token_ms", "plain_first_token_ms", "online_best_setting",
-           "online_best_speedup", "online_best_speedup_rounds_min", "online_best_speedup_rounds_max",
+           "online_best_baseline", "online_best_speedup", "online_best_speedup_rounds_min", "online_best_speedup_rounds_max",
            "online_best_speedup_pooled",
            "online_best_speedup_ci95_low", "online_best_speedup_ci95_high",
            "negative_control_accept_length",

@@ -414,25 +414,39 @@ def _speedup_spreads(key: str, plain: dict, spec: dict, *, batch1: bool) -> dict
     return out
 
 
-def _best_setting(results: dict, m: dict, serving) -> dict:
-    """The serving setting (main, a chain of the sweep or a tree; not the controls) with the highest speedup at batch 1
-    against the same run's plain server: what to serve with, named with its (steps, topk, draft tokens)."""
+def _best_setting(results: dict, m: dict, plan: "OnlinePlan") -> dict:
+    """What to serve with: the setting with the highest speedup at batch 1 among main, the chain sweep, the trees and
+    main under each variant (not the controls, not the untrained drafter), named with its (steps, topk, draft tokens)
+    and a variant's flags. Its speedup is against the run's fastest plain server at batch 1 (plain, or a variant's
+    plain when its flags make plain decoding faster: the strongest baseline a user would keep), named in
+    ``online_best_baseline``; with no variant's plain faster, the figures are each setting's ``<key>_speedup``."""
+    srv = results["servers"]
+    plains = [n for n in srv if n == "plain" or (n.startswith("plain-") and _variant_of(n) in plan.variants)]
+    tps = {n: srv[n].get("by_concurrency", {}).get(1, {}).get("output_tokens_per_s_median") or 0.0 for n in srv}
+    if not plains or not max(tps[n] for n in plains):
+        return {}
+    base = max(plains, key=lambda n: (tps[n], n == "plain"))  # a tie goes to SGLang's defaults
     best = None
-    for name, r in results["servers"].items():
-        key = "online" if name == "main" else name
-        if not (name == "main" or name.startswith(("steps", "tree"))) or f"{key}_speedup" not in m:
+    for name, r in srv.items():
+        v = _variant_of(name) if name.startswith("main-") else None
+        if not (name == "main" or name.startswith(("steps", "tree")) or v in plan.variants) or not tps.get(name):
             continue
-        setting = r.get("setting") or list(serving)
-        if best is None or m[f"{key}_speedup"] > best[0]:
-            best = (m[f"{key}_speedup"], f"{name} ({','.join(map(str, setting))})", m.get(f"{key}_accept_length"), key)
+        setting = ",".join(map(str, r.get("setting") or list(plan.serving)))
+        label = f"{name} ({setting})" + ("".join(f" {a}" for a in plan.variants[v]) if v else "")
+        if best is None or tps[name] > tps[best[0]]:
+            best = (name, label)
     if best is None:
         return {}
-    out = {"online_best_speedup": best[0], "online_best_setting": best[1]}
-    if best[2] is not None:
-        out["online_best_accept_length"] = best[2]
-    for end in SPEEDUP_SPREADS:  # its rounds against plain's of the same moment, its interval over the prompts
-        if f"{best[3]}_speedup_{end}" in m:
-            out[f"online_best_speedup_{end}"] = m[f"{best[3]}_speedup_{end}"]
+    name, label = best
+    key = "online" if name == "main" else _metric_prefix(name)
+    out = {"online_best_setting": label, "online_best_baseline": base,
+           "online_best_speedup": tps[name] / tps[base]}
+    accept = m.get(f"{key}_accept_length")
+    if accept is not None:
+        out["online_best_accept_length"] = accept
+    # its rounds against the baseline's of the same moment, its interval over the prompts
+    out.update(_speedup_spreads("online_best_speedup", srv[base]["by_concurrency"][1], srv[name]["by_concurrency"][1],
+                                batch1=True))
     return out
 
 
@@ -607,6 +621,11 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
             m[f"{b}_spec_tokens_per_s{sfx}"] = sm["spec_tokens_per_s"]
             m[f"{b}_speedup{sfx}"] = sm["speedup"]
             m.update(_speedup_spreads(f"{b}_speedup{sfx}", p[conc], q[conc], batch1=conc == 1))
+            if conc == 1 and not speculative_only(args) and "plain" in srv and 1 in srv["plain"]["by_concurrency"]:
+                # against SGLang's defaults too: a flag that speeds main may slow or speed plain itself
+                m[f"{b}_speedup_vs_plain"] = online.summarize(srv["plain"]["by_concurrency"], q, 1)["speedup"]
+                m.update(_speedup_spreads(f"{b}_speedup_vs_plain", srv["plain"]["by_concurrency"][1], q[1],
+                                          batch1=True))
             if sm["accept_length"] is not None:
                 m[f"{b}_accept_length{sfx}"] = sm["accept_length"]
                 if conc == 1:
@@ -654,7 +673,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         for end in SPEEDUP_SPREADS:
             if f"online_speedup_{end}" in m:
                 m[f"steps{s}_speedup_{end}"] = m[f"online_speedup_{end}"]
-    m.update(_best_setting(results, m, plan.serving))
+    m.update(_best_setting(results, m, plan))
     m.update(proof_metrics(plan, proofs))
     for name, match in results.get("outputs_match_plain", {}).items():
         m[f"{_metric_prefix(name)}_outputs_identical_to_plain"] = match["identical"]
