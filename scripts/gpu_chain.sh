@@ -120,10 +120,13 @@
 # gap passed 30 s, and the load test (5 minutes in) went with the machine. Send the next poll first, read after.
 # The break-even benchmark (breakeven:480, 10 servers, 12 prompts, 3 rounds): healthy after 176 s, rounds done by
 # ~420 s; give it 480 (the servers now stop together, see capture.server.stop_all). 6 servers, 10 prompts: ~330 s.
-# Next for the fixed cost of a speculative request (35-54 ms against plain's 21 in -13): breakeven:480 with
-# E3K_BE_VARIANTS='{"base": [], "bcg": ["--cuda-graph-backend-prefill", "breakable"]}' E3K_BE_SETTINGS="3,1,4 7,1,8"
-# (6 servers): every round now ends with a one-token probe of each server's prefill path (first_token_ms_*); SGLang
-# 0.5.14 runs an EAGLE target's prefill eagerly and plain's on the piecewise graph (acceptance/DESIGN.md).
+# The fixed cost of a speculative request (35-54 ms against plain's 21 in -13) measured (2026-12-04,
+# gpu-breakeven-bcg-1/-2: breakeven:480 with E3K_BE_VARIANTS='{"base": [], "bcg": ["--cuda-graph-backend-prefill",
+# "breakable"]}' E3K_BE_SETTINGS="3,1,4 7,1,8", 257 s with 3 rounds, 387 s with 4): a speculative server's one-token
+# request 9.4-19.1 ms slower than plain's on SGLang's defaults (its prefill eager), 8.4-18.9 ms faster under bcg.
+# Next: the drafter chain ("data:560 train:600 serve:480"); 05 now serves bcg beside main (two servers more, batch 1):
+# bcg_speedup_vs_plain is the trained drafter's whole requests with the prefill on a graph, against plain's defaults.
+# The load test passed at 4d465a6 (gpu-faults-5, faults:480 with E3K_FAULTS_K=load_256 E3K_FAULTS_TRIAL=0, 158 s).
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
