@@ -124,8 +124,12 @@
 # gpu-breakeven-bcg-1/-2: breakeven:480 with E3K_BE_VARIANTS='{"base": [], "bcg": ["--cuda-graph-backend-prefill",
 # "breakable"]}' E3K_BE_SETTINGS="3,1,4 7,1,8", 257 s with 3 rounds, 387 s with 4): a speculative server's one-token
 # request 9.4-19.1 ms slower than plain's on SGLang's defaults (its prefill eager), 8.4-18.9 ms faster under bcg.
-# Next: the drafter chain ("data:560 train:600 serve:480"); 05 now serves bcg beside main (two servers more, batch 1):
-# bcg_speedup_vs_plain is the trained drafter's whole requests with the prefill on a graph, against plain's defaults.
+# Next: the drafter chain as -13 ran it (E3K_CHAIN="data:560 train:600 serve:450", E3K_DATA_SETS="--set
+# 03_extract.regenerate_minutes=2.2 --set 03_extract.final_normed=false" E3K_MAX_SAMPLES=11000 E3K_CONTROLS=""
+# E3K_DATA_CONTROLS=""; -13: 512 + 521 + 358 s); 05 now serves bcg beside main at batch 1 instead of the adaptive
+# variant (dropped: it lost at 8 and 32), so bcg_speedup_vs_plain is the trained drafter's whole requests with the
+# prefill on a graph, against plain's defaults. Budget: the stage's 23 parts (~100 s) and install + setup (~90 s)
+# leave ~1,600 s, so one lost machine loses the run: start it first thing, and nothing else.
 # The load test passed at 4d465a6 (gpu-faults-5, faults:480 with E3K_FAULTS_K=load_256 E3K_FAULTS_TRIAL=0, 158 s).
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
