@@ -1051,6 +1051,8 @@ def test_a_serving_flag_is_judged_against_sglangs_defaults_and_the_fastest_plain
     m = experiment.summarize(plan, results, {}, {})
     assert m["online_best_baseline"] == "plain-bcg" and m["online_best_setting"] == "main-bcg (3,1,4) " + " ".join(bcg)
     assert m["online_best_speedup"] == pytest.approx(112 / 122) and m["bcg_speedup_vs_plain"] == pytest.approx(112 / 102)
+    head = compare.table([{"run": "r", **m}]).splitlines()[0].split()  # 06's table: the baseline and the variant
+    assert {"online_best_baseline", "bcg_speedup_vs_plain"} <= set(head)
     # without the variant's main, the sweep's best against the faster plain
     del results["servers"]["main-bcg"]
     m = experiment.summarize(plan, results, {}, {})

@@ -115,6 +115,8 @@ def table(rows: list[dict]) -> str:
     from eagle3kit.plots import table as fmt
 
     cols = [c for c in COLUMNS if any(c in r for r in rows)]
+    # each serving variant's main against plain on SGLang's defaults (05's <variant>_speedup_vs_plain), after the best
+    cols += sorted({k for r in rows for k in r if k.endswith("_speedup_vs_plain")})
     return fmt([{c: r.get(c, "") for c in cols} for r in rows], cols, floatfmt="{:.3f}")
 
 
