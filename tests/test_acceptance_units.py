@@ -831,6 +831,12 @@ def test_a_requests_fixed_cost_is_told_from_its_cycles():
     same[1]["rounds"][0]["per_request"] = [[253 + i % 3, 0] for i in range(16)]
     assert online.request_fit(same[1]) is None
     assert online.request_fit(_timed(40.0, 3.3, [192, 256, 256], accept=1.0)[1])  # a quarter apart: a fit
+    # a trained drafter's replies all 256 tokens long: cycles 67-170 as prompts accept 1.5-3.8 tokens, a cost per
+    # accepted token (0.1 ms) that such a fit would take for fixed cost (21 ms true, 46.5 fitted): no fit either
+    cycles = [67, 170, 102, 85, 128, 150]  # 255 tokens after the prefill's, at 3.8 to 1.5 a cycle
+    one_length = {"rounds": [{"per_request_time": [[256, (21.0 + 3.4 * c + 0.1 * (255 - c)) / 1000] for c in cycles],
+                              "per_request": [[c, 255 - c] for c in cycles]}]}
+    assert max(cycles) - min(cycles) > 0.25 * max(cycles) and online.request_fit(one_length) is None
 
 
 def test_the_summary_gives_each_setting_its_marginal_cycle_and_the_speedup_long_replies_tend_to(tmp_path):

@@ -405,17 +405,23 @@ def request_fit(measured: dict) -> dict | None:
     gpu-drafter-pipeline-13 the speculative servers' requests cost 35-54 ms fixed against plain's 21, and their
     marginal cycles (3.3-3.7 ms) were those of an untrained drafter (gpu-breakeven-1: 3.3-3.6), where the cycle
     over whole requests (4.0-4.6 ms) had looked like accepted tokens costing time. None without 3 requests whose
-    cycles differ by at least a quarter of the most (the fit needs replies of several lengths: ``measure_interleaved``'s
-    list of max_new_tokens; replies all 256 tokens long whose cycles differ by the drafts accepted, 253 to 255, gave
-    a fixed cost of 60 +- 65 ms, which is no figure)."""
-    xs, ys = [], []
+    cycles, and whose reply lengths, differ by at least a quarter of the most: the fit needs replies of several
+    lengths (``measure_interleaved``'s list of max_new_tokens, or replies that end early). With replies all of one
+    length N a cost per accepted token b is not told from a fixed one: ms = (fixed + b N) + (cycle - b) x cycles, so
+    cycles that differ only by what the drafter accepts would put b into the fixed cost and take it from the cycle
+    (untrained replies all 256 tokens long, cycles 253 to 255, gave a fixed cost of 60 +- 65 ms). Where lengths
+    differ the two are told apart; fitted with a term per output token as well, -13's requests (16 to 256 tokens)
+    gave fixed costs within 0.3-7.8 ms of this fit's and 0.02-0.39 +- 0.11-0.24 ms a token, none beyond two standard
+    errors: the two-term fit is kept."""
+    xs, ys, ns = [], [], []
     for r in measured.get("rounds", []):
         per = r.get("per_request") or []
         for i, (tokens, seconds) in enumerate(r.get("per_request_time", [])):
             ver = per[i][0] if i < len(per) and per[i] and per[i][0] else None
             xs.append(float(ver if ver else max(int(tokens) - 1, 0)))
             ys.append(1000.0 * float(seconds))
-    if len(xs) < 3 or max(xs) - min(xs) < max(2.0, 0.25 * max(xs)):
+            ns.append(float(tokens))
+    if len(xs) < 3 or any(max(v) - min(v) < max(2.0, 0.25 * max(v)) for v in (xs, ns)):
         return None
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
