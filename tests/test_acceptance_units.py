@@ -975,10 +975,21 @@ def test_a_variant_or_control_name_that_cannot_name_a_metric_is_refused_before_a
     experiment.OnlinePlan(target="t", drafter="d", variants={"flash_infer": []}, controls={"fp8": "x"})
     # a name whose metrics another server already writes would overwrite them silently
     for clash in ({"controls": {"online": "x"}}, {"controls": {"steps3": "x"}}, {"variants": {"tree5x4x8": []}},
-                  {"controls": {"negative_control": "x"}}):
+                  {"controls": {"negative_control": "x"}},
+                  # names that start a summary figure's: a control 'breakeven' wrote main's breakeven_accept_length
+                  {"controls": {"breakeven": "x"}}, {"variants": {"breakeven": []}},
+                  {"controls": {"offline_walk": "x"}}):
         with pytest.raises(ValueError, match="taken by another server"):
             experiment.OnlinePlan(target="t", drafter="d", **clash)
-    for clash in ({"variants": {"fp8": []}, "controls": {"fp8": "x"}},
+    with pytest.raises(ValueError, match="fp8 storage control"):  # a variant 'fp8' would make fp8_accept_rel_diff
+        experiment.OnlinePlan(target="t", drafter="d", variants={"fp8": ["--kv-cache-dtype", "fp8_e4m3"]})
+    # a control whose name merely starts like the sweep's is a control: never the setting to serve with
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", controls={"treebank": "x"}, sweep_steps=(3,),
+                                 trees=(), concurrencies=(1,))
+    srv = {"plain": _measured([100.0]), "main": _measured([90.0], [2.4]), "treebank": _measured([150.0], [2.6])}
+    m = experiment.summarize(plan, {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}}, {}, {})
+    assert m["online_best_setting"] == "main (3,1,4)" and "treebank_speedup" in m
+    for clash in ({"variants": {"kv": []}, "controls": {"kv": "x"}},
                   {"variants": {"fi": []}, "controls": {"fi_plain": "x"}}):
         with pytest.raises(ValueError, match="variant and a control"):
             experiment.OnlinePlan(target="t", drafter="d", **clash)

@@ -32,6 +32,9 @@ from eagle3kit.acceptance import online
 PARTIAL = "partial.json"  # in run()'s work folder: the plan and every server measured so far
 
 
+SETTING_SERVER = re.compile(r"steps\d+|tree\d+x\d+x\d+")  # the chain sweep's and the trees' servers, by name
+
+
 @dataclass
 class OnlinePlan:
     target: str
@@ -59,10 +62,14 @@ class OnlinePlan:
                 raise ValueError(f"{kind} names {bad} must be identifiers (letters, digits, _), e.g. "
                                  f"{str(bad[0]).replace('-', '_')!r}: they name the metrics")
         # a name another server's metrics already use would overwrite them (online_speedup, steps3_speedup, ...)
-        taken = {"online", "plain", "main", "proof", "offbyone", "negative_control", "engine_control", "untrained"}
+        # or the start of a summary figure's name: a control 'breakeven' would write breakeven_accept_length
+        taken = {"online", "plain", "main", "proof", "offbyone", "negative_control", "engine_control", "untrained",
+                 "breakeven", "breakeven_marginal", "offline", "offline_walk", "cycle", "doctor", "export", "fed_layer"}
         for name in [*self.variants, *self.controls]:
-            if name in taken or re.fullmatch(r"steps\d+|tree\d+x\d+x\d+", name):
+            if name in taken or SETTING_SERVER.fullmatch(name):
                 raise ValueError(f"variant or control name {name!r} is taken by another server's metrics: rename it")
+        if "fp8" in self.variants:  # fp8_accept_rel_diff is the fp8 storage control's cost
+            raise ValueError("variant name 'fp8' is the fp8 storage control's: rename the variant (e.g. 'kv_fp8')")
         both = set(self.controls) & (set(self.variants) | {f"{v}_plain" for v in self.variants})
         if both:
             raise ValueError(f"names {sorted(both)} are given to a variant and a control (or a variant's plain server):"
@@ -429,7 +436,7 @@ def _best_setting(results: dict, m: dict, plan: "OnlinePlan") -> dict:
     best = None
     for name, r in srv.items():
         v = _variant_of(name) if name.startswith("main-") else None
-        if not (name == "main" or name.startswith(("steps", "tree")) or v in plan.variants) or not tps.get(name):
+        if not (name == "main" or SETTING_SERVER.fullmatch(name) or v in plan.variants) or not tps.get(name):
             continue
         setting = ",".join(map(str, r.get("setting") or list(plan.serving)))
         label = f"{name} ({setting})" + ("".join(f" {a}" for a in plan.variants[v]) if v else "")
@@ -642,7 +649,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         ci = online.accept_interval(r["by_concurrency"][1])
         if ci:
             m[f"{key}_accept_length_ci95_low"], m[f"{key}_accept_length_ci95_high"] = ci
-        if "main" in srv and not name.startswith(("steps", "tree")):  # a control (a mistake) at main's setting
+        if "main" in srv and not SETTING_SERVER.fullmatch(name):  # a control (a mistake) at main's setting
             d = online.accept_difference_interval(srv["main"]["by_concurrency"].get(1, {}), r["by_concurrency"][1])
             if d:  # main minus this drafter on the same prompts: above 0 when the cost exceeds the prompts' spread
                 m[f"{key}_accept_cost_ci95_low"], m[f"{key}_accept_cost_ci95_high"] = d
