@@ -687,6 +687,17 @@ def test_accept_length_at_another_concurrency_on_the_prompts_batch_1_used(monkey
     r8 = online.measure("http://x", prompts, 4)
     assert r8["per_request"] == [[10, 6], [10, 4], [10, 0], [10, 0]] and r8["accept_length"] == pytest.approx(1.25)
     r1 = online.measure("http://x", prompts[:2], 1)
+
+    def no_correct_count(session, url, ids, max_new_tokens, timeout=600):  # verifies counted, correct drafts not
+        return {**fake_generate(session, url, ids, max_new_tokens), "correct_drafts": None if ids[0] else 0}
+    monkeypatch.setattr(online, "generate", no_correct_count)
+    r = online.measure("http://x", prompts, 4)  # no accept length of 1.0 (nothing accepted), no crash: the reason
+    assert "accept_length" not in r and "per_request" not in r
+    assert r["accept_length_error"].endswith("spec_num_correct_drafts on 2 of 4 requests")
+    m = experiment.summarize(experiment.OnlinePlan(target="embedded:smollm2", drafter="d", concurrencies=(1,)),
+                             {"servers": {"main": {"by_concurrency": {1: {"rounds": [r]}}}}}, {}, {})
+    assert m["online_accept_length_error"] == r["accept_length_error"]  # 05's metrics say why there is no figure
+    monkeypatch.setattr(online, "generate", fake_generate)
     plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(),
                                  concurrencies=(1, 8), prompts_per_conc={1: 2, 8: 4})
 

@@ -558,6 +558,11 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
     s, t, d = plan.serving
     m["online_serving"] = f"{s},{t},{d}"  # main's setting, which the unsuffixed figures are of
     plain_fit = online.request_fit(srv.get("plain", {}).get("by_concurrency", {}).get(1, {}))  # once, for every server
+    for name, r in srv.items():  # a server whose accept length SGLang's counts could not give: why, not a figure
+        errs = [x["accept_length_error"] for c in r.get("by_concurrency", {}).values() for x in c.get("rounds", [])
+                if "accept_length_error" in x]
+        if errs:
+            m[f"{'online' if name == 'main' else _metric_prefix(name)}_accept_length_error"] = errs[0]
     if "plain" in srv and "main" in srv:
         for conc in plan.concurrencies:
             if conc not in srv["main"]["by_concurrency"]:

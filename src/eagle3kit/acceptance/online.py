@@ -156,9 +156,14 @@ def _summary(results: list, concurrency: int, wall: float) -> dict:
         if results and all(r.get("server_seconds") is not None for r in results):  # SGLang's own e2e_latency: the
             out["per_request_server_seconds"] = [float(r["server_seconds"]) for r in results]  # rest is HTTP, client
     ver = [r for r in results if r["verify_ct"]]
+    if any(r["correct_drafts"] is None for r in ver):  # verifies counted, correct drafts not: no accept length at all
+        # (counting them as 0 would report 1.0 as if nothing were accepted)
+        out["accept_length_error"] = ("SGLang's meta_info gave spec_verify_ct without spec_num_correct_drafts on "
+                                      f"{sum(r['correct_drafts'] is None for r in ver)} of {len(ver)} requests")
+        ver = []
     if ver:
         v = sum(r["verify_ct"] for r in ver)
-        c = sum(r["correct_drafts"] or 0 for r in ver)
+        c = sum(r["correct_drafts"] for r in ver)
         out.update(accept_length=(c + v) / v, verify_ct=v, correct_drafts=c,
                    accept_length_request_mean=statistics.fmean((r["correct_drafts"] + r["verify_ct"]) / r["verify_ct"]
                                                                for r in ver),
