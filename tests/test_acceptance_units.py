@@ -1029,6 +1029,9 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
     assert (m["steps7_speedup_rounds_min"], m["steps7_speedup_rounds_max"]) == pytest.approx((1.1, 1.2))
     assert (m["online_speedup_rounds_min"], m["online_speedup_rounds_max"]) == pytest.approx((0.9, 0.92))
     assert m["steps3_speedup_rounds_min"] == m["online_speedup_rounds_min"]  # main is the sweep's point at 3 steps
+    tree_main = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", serving=(5, 4, 8), sweep_steps=(1, 3),
+                                      trees=(), concurrencies=(1,))  # main a tree: not the chain's point at 5 steps
+    assert not any(k.startswith("steps5_") for k in experiment.summarize(tree_main, results, {}, {}))
     results["servers"]["plain"]["by_concurrency"] = _measured([125.0, 100.0])  # plain fast in round 0, slow in 1
     m = experiment.summarize(plan, results, {}, {})  # round by round, not fastest with fastest: 110/125 and 120/100
     assert (m["steps7_speedup_rounds_min"], m["steps7_speedup_rounds_max"]) == pytest.approx((0.88, 1.2))

@@ -655,9 +655,9 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         if ci:
             m[f"{key}_accept_length_ci95_low"], m[f"{key}_accept_length_ci95_high"] = ci
         if "main" in srv and not SETTING_SERVER.fullmatch(name):  # a control (a mistake) at main's setting
-            d = online.accept_difference_interval(srv["main"]["by_concurrency"].get(1, {}), r["by_concurrency"][1])
-            if d:  # main minus this drafter on the same prompts: above 0 when the cost exceeds the prompts' spread
-                m[f"{key}_accept_cost_ci95_low"], m[f"{key}_accept_cost_ci95_high"] = d
+            cost = online.accept_difference_interval(srv["main"]["by_concurrency"].get(1, {}), r["by_concurrency"][1])
+            if cost:  # main minus this drafter on the same prompts: above 0 when the cost exceeds the prompts' spread
+                m[f"{key}_accept_cost_ci95_low"], m[f"{key}_accept_cost_ci95_high"] = cost
         tps = r["by_concurrency"][1]["output_tokens_per_s_median"]
         m[f"{key}_tokens_per_s_spread"] = online.spread(r["by_concurrency"][1])
         if plain1:
@@ -677,7 +677,7 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
     for n in plan.sweep_steps:
         if f"offline_tau_{n}" in main_off:
             m[f"offline_tau_steps{n}"] = main_off[f"offline_tau_{n}"]
-    if f"steps{s}_accept_length" not in m and "online_accept_length" in m:
+    if (t, d) == (1, s + 1) and f"steps{s}_accept_length" not in m and "online_accept_length" in m:  # main is a chain
         m[f"steps{s}_accept_length"] = m["online_accept_length"]
         m[f"steps{s}_speedup"] = m.get("online_speedup", 0.0)
         if "online_cycle_ms" in m:
