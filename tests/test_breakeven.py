@@ -59,6 +59,19 @@ def test_plan_gives_each_variant_its_plain_server_and_one_per_setting():
         B.plan("/d", ["3,1,4"], {})
 
 
+def test_a_server_given_twice_is_refused_before_any_starts(tmp_path, monkeypatch):
+    """A setting listed twice made two servers of one name: the second replaced the first in the servers' dict, so
+    the first was never stopped and held its GPU memory and port after the run."""
+    from eagle3kit.acceptance import online
+    from eagle3kit.capture import server
+
+    started = []
+    monkeypatch.setattr(server.SGLangServer, "start", lambda self: started.append(self) or self)
+    with pytest.raises(ValueError, match=r"servers \['base-3-1-4'\] are given twice"):
+        online.start_servers("/t", B.plan("/d", ["3,1,4", "7,1,8", "3,1,4"], {"base": []}), tmp_path, stagger=0)
+    assert started == []
+
+
 def test_a_server_that_did_not_start_costs_its_variant_not_the_run():
     servings = B.plan("/d", ["3,1,4", "5,1,6"], {"base": [], "compile": ["--enable-torch-compile"]})
     names = lambda failed: [s.name for s in B.measurable(servings, failed)]  # noqa: E731

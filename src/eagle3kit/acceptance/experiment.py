@@ -426,7 +426,9 @@ def _best_setting(results: dict, m: dict, plan: "OnlinePlan") -> dict:
     main under each variant (not the controls, not the untrained drafter), named with its (steps, topk, draft tokens)
     and a variant's flags. Its speedup is against the run's fastest plain server at batch 1 (plain, or a variant's
     plain when its flags make plain decoding faster: the strongest baseline a user would keep), named in
-    ``online_best_baseline``; with no variant's plain faster, the figures are each setting's ``<key>_speedup``."""
+    ``online_best_baseline``. With no variant's plain faster the baseline is plain: the figure is a setting's
+    ``<key>_speedup``, or for main under a variant with a plain of its own ``<v>_speedup_vs_plain`` (its
+    ``<v>_speedup`` is against that variant's plain)."""
     srv = results["servers"]
     plains = [n for n in srv if n == "plain" or (n.startswith("plain-") and _variant_of(n) in plan.variants)]
     tps = {n: srv[n].get("by_concurrency", {}).get(1, {}).get("output_tokens_per_s_median") or 0.0 for n in srv}

@@ -62,6 +62,10 @@ def start_servers(target, servings: list[Serving], log_dir, base_port: int = 310
     Returns {name: SGLangServer}; a server that fails to start is reported by name with its log's tail."""
     from eagle3kit.capture.server import SGLangServer, stop_all
 
+    names = [s.name for s in servings]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # a second server of one name would replace the first in the dict and be left running, unstopped
+        raise ValueError(f"servers {twice} are given twice (a setting or tree listed twice?): list each once")
     servers, failed = {}, {}
     try:
         for i, s in enumerate(servings):
