@@ -87,18 +87,20 @@ def main(argv=None):
             print("spec_breakeven: no speculative server with a healthy plain one; nothing to time", file=sys.stderr)
             return 1
         print(f"{len(servers) - len(failed)} servers healthy after {time.time() - t0:.0f} s", flush=True)
-        metrics = {}
+        metrics, lost = {}, {}  # lost: servers that failed during the rounds (their whole rounds kept)
 
         def after_round(done):  # what the rounds so far give (a run cut by its time limit keeps whole rounds)
             metrics.clear()
             m, rows = breakeven.summarize(done, servings)
             metrics.update(m, rounds_done=min((len(c[1]["rounds"]) for c in done.values() if 1 in c), default=0),
-                           servers_failed=sorted(failed))
+                           servers_failed=sorted(failed), servers_lost=dict(lost))
             (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
             (out / "table.txt").write_text(table(rows))
 
         measured = online.measure_servers({s.name: (servers[s.name].url, {1: prompts}) for s in servings},
-                                          a.max_new_tokens, a.rounds, after_round)
+                                          a.max_new_tokens, a.rounds, after_round, lost=lost)
+        for name, why in lost.items():
+            print(f"{name} lost during the rounds: {why}", file=sys.stderr)
         for by in measured.values():  # the replies' token ids: not wanted in the record
             for m in by.values():
                 for r in m["rounds"]:
@@ -106,7 +108,7 @@ def main(argv=None):
         (out / "measured.json").write_text(json.dumps(measured, indent=1, default=str))
         print((out / "table.txt").read_text())
         print(json.dumps({k: v for k, v in metrics.items() if not k.endswith("_rounds")}, indent=1))
-        return 1 if failed else 0  # what started was measured; a server that did not start still fails the run
+        return 1 if failed or lost else 0  # what ran was measured; a server that did not start or was lost fails the run
     finally:
         stop_all(servers.values())
 

@@ -625,8 +625,39 @@ def test_replies_of_several_lengths_are_asked_prompt_by_prompt_in_turn(monkeypat
     monkeypatch.setattr(online, "generate", refused_one_token)
     out = online.measure_servers({"p": ("P", {1: prompts}), "m": ("M", {1: prompts})}, [64, 256], rounds=2)
     assert [len(out[n][1]["rounds"]) for n in "pm"] == [2, 2]  # the timed rounds are all there
-    assert out["m"][1]["rounds"][1]["first_token"] == {"error": "RuntimeError: 500 Server Error"}
-    assert online.first_token_ms(out["m"][1]) == {"first_token_error": "RuntimeError: 500 Server Error"}
+    assert out["m"][1]["rounds"][1]["first_token"] == {"error": "prompt 0: RuntimeError: 500 Server Error"}
+    assert online.first_token_ms(out["m"][1]) == {"first_token_error": "prompt 0: RuntimeError: 500 Server Error"}
+
+
+def test_a_server_lost_during_the_rounds_costs_its_own_figures_not_the_run(monkeypatch, tmp_path):
+    """A server that dies (or whose request outlives its timeout) during the timed rounds is timed no more: its whole
+    rounds so far are kept, the reason is handed back, the other servers' rounds go on (an audit's case: a tree server
+    dying in round 2 of 3 ended the run with nothing summarised). 05 counts it as failed, with the reason."""
+    rounds_started = []
+
+    def flaky(session, url, ids, max_new_tokens, timeout=600):
+        if url == "T" and len(rounds_started) >= 2 and max_new_tokens != 1:
+            raise TimeoutError("read timed out after 600 s")
+        return {"completion_tokens": 10, "verify_ct": None, "correct_drafts": None, "sglang_accept_length": None,
+                "seconds": 0.1, "output_ids": [ids]}
+
+    def measure8(url, prompts, conc, max_new_tokens=256):
+        if url == "M8" and max_new_tokens != online.WARM_TOKENS and len(rounds_started) >= 3:
+            raise ConnectionError("server gone")
+        return {"output_tokens_per_s": 100.0}
+
+    monkeypatch.setattr(online, "generate", flaky)
+    monkeypatch.setattr(online, "measure", measure8)
+    monkeypatch.setattr(online, "flush", lambda url: rounds_started.append(url) if url == "P" else None)
+    monkeypatch.setattr(online, "server_accept_length", lambda url: None)
+    prompts = [[i] for i in range(4)]
+    lost = {}
+    out = online.measure_servers({"p": ("P", {1: prompts}), "t": ("T", {1: prompts}), "m": ("M8", {8: prompts * 8})},
+                                 256, rounds=3, lost=lost)
+    assert [len(out["p"][1]["rounds"]), len(out["t"][1]["rounds"])] == [3, 1]  # t: its one whole round
+    assert lost["t"] == "round 1, batch 1, prompt 0: TimeoutError: read timed out after 600 s"
+    assert len(out["m"][8]["rounds"]) == 1 and lost["m"] == "round 1, concurrency 8: ConnectionError: server gone"
+    assert len(rounds_started) == 6  # every round ran for the others (a flush of plain's for batch 1 and the probe)
 
 
 def test_interleaved_batch_1_cancels_a_drift_of_the_host(monkeypatch):
@@ -934,7 +965,7 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     monkeypatch.setattr(online, "start_servers", lambda *a, **k: {"servers": {n: Srv(n) for n in names}, "failed": {}})
     seen = {}
 
-    def fake_measure_servers(timed, max_new_tokens, rounds, after_round=None):
+    def fake_measure_servers(timed, max_new_tokens, rounds, after_round=None, lost=None):
         seen.update({n: sorted(by_conc) for n, (_, by_conc) in timed.items()})
         done = {n: {c: _measured([1.0])[1] for c in by_conc} for n, (_, by_conc) in timed.items()}
         after_round(done)
@@ -945,11 +976,22 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     assert seen == {"plain": [1, 8], "main": [1, 8], "main-adaptive": [1, 8], "plain-fi": [1], "main-fi": [1]}
     # the data set's replies to batch 1's two prompts reach the comparison; a failing decoder costs nothing else
 
-    def with_outputs(timed, max_new_tokens, rounds, after_round=None):
+    def with_outputs(timed, max_new_tokens, rounds, after_round=None, lost=None):
         done = fake_measure_servers(timed, max_new_tokens, rounds, after_round)
         for by_conc in done.values():
             by_conc[1]["rounds"][0]["_outputs"] = [[1, 2], [3]]
         return done
+
+    def losing_main_fi(timed, max_new_tokens, rounds, after_round=None, lost=None):  # a server lost in the rounds
+        done = fake_measure_servers({n: v for n, v in timed.items() if n != "main-fi"}, max_new_tokens, rounds,
+                                    after_round)
+        lost["main-fi"] = "round 0, batch 1, prompt 1: ConnectionError: gone"
+        return done
+    monkeypatch.setattr(online, "measure_servers", losing_main_fi)
+    res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online1", log=lambda *_: None)
+    assert res["failed"] == {"main-fi": "during the timed rounds: round 0, batch 1, prompt 1: ConnectionError: gone"}
+    assert "by_concurrency" in res["servers"]["main"] and "main-fi" not in res["servers"]  # the others' figures stand
+    assert experiment.summarize(plan, res, {}, {})["online_servers_failed"] == 1
     monkeypatch.setattr(online, "measure_servers", with_outputs)
     res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online2", log=lambda *_: None, stored=["a b", "x"],
                          decode=lambda ids: " ".join("ab c"[i - 1] if i < 3 else "c" for i in ids))

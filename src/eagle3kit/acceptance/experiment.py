@@ -194,9 +194,16 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=No
             _save_partial(work, plan, results)
 
         t1 = time.time()
-        online.measure_servers(timed, plan.max_new_tokens, plan.rounds, after_round=keep)
+        lost: dict = {}  # servers that failed during the rounds: counted as failed, their whole rounds kept
+        online.measure_servers(timed, plan.max_new_tokens, plan.rounds, after_round=keep, lost=lost)
+        for name, why in lost.items():
+            failed[name] = f"during the timed rounds: {why}"
+            log(f"{name} lost {failed[name]}")
+        _save_partial(work, plan, results)
         for name in timed:
-            b1 = results["servers"][name]["by_concurrency"][1]
+            b1 = results["servers"].get(name, {}).get("by_concurrency", {}).get(1)
+            if not b1:
+                continue
             acc = [r["accept_length"] for r in b1["rounds"] if "accept_length" in r]
             log(f"{name:>14}: conc 1 {b1['output_tokens_per_s_median']:8.1f} tok/s"
                 + (f", accept {statistics.fmean(acc):.3f}" if acc else ""))

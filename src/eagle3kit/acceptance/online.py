@@ -126,7 +126,9 @@ def measure_interleaved(urls: dict, prompts: dict, max_new_tokens=256) -> dict:
     servers timed 5-40 s apart compare two moments, not two servers. Interleaved, a server's prompt and plain's same
     prompt run within one pass of the servers over that prompt (~3 s with 8 servers at ~0.4 s a request) and a drift
     reaches both alike. ``max_new_tokens``: a number, or a list of them that prompt i takes in turn (``i % len``):
-    replies of several lengths let ``request_fit`` tell a request's fixed cost from a cycle's.
+    replies of several lengths let ``request_fit`` tell a request's fixed cost from a cycle's. A server whose request
+    fails (it died, or a request outlived its timeout) gets no more requests and ``{"error": ...}`` for its figures;
+    the others go on.
 
     Each request now finds its server idle through the other servers' requests (``--sleep-on-idle``): a fixed wake-up
     cost per request would pull every ratio towards 1; the next GPU record's per-request seconds against the earlier
@@ -137,16 +139,20 @@ def measure_interleaved(urls: dict, prompts: dict, max_new_tokens=256) -> dict:
     lengths = [int(x) for x in max_new_tokens] if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)]
     sessions = {n: requests.Session() for n in names}
     got: dict = {n: [] for n in names}
+    dead: dict = {}
     try:
         for i in range(max((len(p) for p in prompts.values()), default=0)):
             k = i % len(names)
             for n in names[k:] + names[:k]:
-                if i < len(prompts[n]):
-                    got[n].append(generate(sessions[n], urls[n], prompts[n][i], lengths[i % len(lengths)]))
+                if i < len(prompts[n]) and n not in dead:
+                    try:
+                        got[n].append(generate(sessions[n], urls[n], prompts[n][i], lengths[i % len(lengths)]))
+                    except Exception as e:  # noqa: BLE001 - this server's figures are lost, not the others'
+                        dead[n] = f"prompt {i}: {type(e).__name__}: {str(e)[:300]}"
     finally:
         for sess in sessions.values():
             sess.close()
-    return {n: _summary(r, 1, sum(x["seconds"] for x in r)) for n, r in got.items()}
+    return {n: {"error": dead[n]} if n in dead else _summary(r, 1, sum(x["seconds"] for x in r)) for n, r in got.items()}
 
 
 def _summary(results: list, concurrency: int, wall: float) -> dict:
@@ -205,7 +211,8 @@ def server_accept_length(url: str) -> float | None:
 WARM_TOKENS = 32  # new tokens per request of a concurrency's untimed warm pass
 
 
-def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=None, first_token: bool = True) -> dict:
+def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=None, first_token: bool = True,
+                    lost: dict | None = None) -> dict:
     """Every server's concurrencies, ``rounds`` times, the servers interleaved. ``servers``: name -> (url,
     prompts_by_conc). Returns name -> {conc: {"rounds", "warm_seconds", median, min, max of output tokens/s}};
     ``after_round`` gets the same, so far, after each round (an interrupted run keeps whole rounds).
@@ -224,27 +231,45 @@ def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=
     35-54 ms fixed against plain's 21 (gpu-drafter-pipeline-13); in SGLang 0.5.14 the target's prefill runs on the
     piecewise CUDA graph in a plain server and eagerly under EAGLE (``model_runner.py``: "Disable prefill CUDA graph
     for EAGLE target on tc_piecewise"), followed by the draft's eager extend. The probe tells whether that is the
-    fixed cost: it is about the time of the requests' prefill, not their decoding."""
+    fixed cost: it is about the time of the requests' prefill, not their decoding.
+
+    A server whose request fails during the rounds (it died; a request outlived its timeout) is timed no more: its
+    whole rounds so far are kept, the reason goes to ``lost`` (name -> reason, when a dict is given), and the other
+    servers' rounds go on. A run of many servers no longer loses every figure to one of them (an audit's case: a
+    tree server dying in round 2 of 3 ended the run with nothing summarised)."""
+    lost = {} if lost is None else lost
     warm, rows = {}, {}
+
+    def timed(name, what, fn):  # fn's result, or None with the server lost
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - one server's failure; the others' figures stand
+            lost[name] = f"{what}: {type(e).__name__}: {str(e)[:300]}"
+            return None
+
     for name, (url, by_conc) in servers.items():
         for conc, prompts in by_conc.items():
-            t0 = time.perf_counter()
-            measure(url, prompts[:conc], conc, WARM_TOKENS)
-            warm[name, conc] = time.perf_counter() - t0
             rows[name, conc] = []
+            if name not in lost:
+                t0 = time.perf_counter()
+                if timed(name, f"warm pass at {conc}", lambda: measure(url, prompts[:conc], conc, WARM_TOKENS)):
+                    warm[name, conc] = time.perf_counter() - t0
     names, done = list(servers), {}
     for r in range(rounds):
-        order = names if r % 2 == 0 else names[::-1]
+        order = [n for n in (names if r % 2 == 0 else names[::-1]) if n not in lost]
         one = [n for n in order if 1 in servers[n][1]]
         for name in one:
             flush(servers[name][0])
         if one:
             got = measure_interleaved({n: servers[n][0] for n in one}, {n: servers[n][1][1] for n in one},
                                       max_new_tokens)
+            for name in [n for n in one if "error" in got[n]]:
+                lost[name] = f"round {r}, batch 1, {got[name]['error']}"
+                one.remove(name)
             for name in one:
                 got[name]["server_accept_length"] = server_accept_length(servers[name][0])
                 rows[name, 1].append(got[name])
-            if first_token:
+            if first_token and one:
                 for name in one:  # else every prompt but its last token would be a prefix-cache hit
                     flush(servers[name][0])
                 try:
@@ -259,12 +284,14 @@ def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=
         for name in order:
             url, by_conc = servers[name]
             for conc, prompts in by_conc.items():
-                if conc == 1:
+                if conc == 1 or name in lost:
                     continue
                 flush(url)
-                m = measure(url, prompts, conc, _longest(max_new_tokens))
-                m["server_accept_length"] = server_accept_length(url)
-                rows[name, conc].append(m)
+                m = timed(name, f"round {r}, concurrency {conc}",
+                          lambda: measure(url, prompts, conc, _longest(max_new_tokens)))
+                if m is not None:
+                    m["server_accept_length"] = server_accept_length(url)
+                    rows[name, conc].append(m)
         done = _by_server(rows, warm)
         if after_round is not None:
             after_round(done)
