@@ -384,7 +384,10 @@ def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
 
 @pytest.mark.parametrize("bad", [{"loss": "mse"}, {"lm_head": "tied"}, {"ttt_steps": 2, "serving_steps": 3},
                                  {"tokens_per_batch": 4}, {"step_decay": 0}, {"fit_schedule": True},
-                                 {"attention": "dense"}])
+                                 {"attention": "dense"},
+                                 # an evaluation shallower than serving never measures the tau best/ is chosen by
+                                 {"ttt_steps": 3, "serving_steps": 2, "eval_steps": 1},
+                                 {"grad_clip": -1.0}, {"save_every": 0}])
 def test_bad_settings_are_refused(bad, small_dataset, tmp_path):
     with pytest.raises(TrainError):
         TrainConfig.from_dict({"data": str(small_dataset), "out_dir": str(tmp_path), **{**TINY, **bad}})
@@ -659,3 +662,46 @@ def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, 
     assert span and span[:40] == texts[0].strip()[:40], (span[:80], texts[0][:80])
     with pytest.raises(ValueError, match="not-a-conversation"):
         online.first_reply_texts(regen, [conv_ids[0], "not-a-conversation"], 256)
+
+
+def test_training_mends_found_by_an_audit(small_dataset, tmp_path):
+    """Each of these trained or chose the wrong drafter without a word (an audit of the trainer, 2026-12-04):
+    - with nothing held out to score, best/ was the untrained drafter of step 0 (its score 0 beat the later ones);
+    - grad_clip 0 clipped every gradient to nothing (many trainers read 0 as no clipping): now it is that;
+    - an explicit held-out data set was scored on all its splits, its training samples too;
+    - a resume under another number of ranks read batches again or skipped them (the data position is steps x rows);
+    - the log's lr was the next step's, not the one the step used."""
+    import copy
+
+    no_heldout = tmp_path / "no-heldout"
+    shutil.copytree(small_dataset, no_heldout)
+    lines = [json.loads(x) for x in (no_heldout / "manifest.jsonl").read_text().splitlines()]
+    (no_heldout / "manifest.jsonl").write_text("".join(json.dumps({**e, "split": "train"}) + "\n" for e in lines))
+    out = tmp_path / "best-latest"
+    s = train(TrainConfig(data=str(no_heldout), out_dir=str(out), max_steps=4, eval_every=2, **TINY))
+    assert s["heldout_samples"] == 0
+    assert json.loads((out / "best" / "eagle3kit.json").read_text())["step"] == 4  # not 0
+
+    out = tmp_path / "no-clip"
+    s = train(TrainConfig(data=str(small_dataset), out_dir=str(out), epochs=2, **{**TINY, "grad_clip": 0.0}))
+    assert s["heldout_loss_pos0"] < s["initial_heldout_loss_pos0"]  # it learned
+    rows = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert rows[0]["grad_norm"] > 0 and rows[1]["lr"] == pytest.approx(TINY["lr"])  # step 2: the cosine's first
+    assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio)  # the last step's own lr
+
+    from eagle3kit.drafter.train import setup
+
+    run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "h"), heldout=str(small_dataset), **TINY))
+    split = [e for e in (json.loads(x) for x in (small_dataset / "manifest.jsonl").read_text().splitlines())
+             if e.get("split") == "heldout"]
+    assert len(run.heldout_src) == len(split) > 0  # its held-out split, not its 24 samples
+
+    ckpt = tmp_path / "best-latest" / "checkpoints" / "last.pt"
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert saved["state"]["rows_per_step"] == 1 and saved["state"]["eval_seconds"] > 0
+    two_ranks = copy.deepcopy(saved)
+    two_ranks["state"]["rows_per_step"] = 2
+    torch.save(two_ranks, ckpt)
+    with pytest.raises(TrainError, match="2 packed rows per optimizer step.*this run takes 1"):
+        train(TrainConfig(data=str(no_heldout), out_dir=str(tmp_path / "best-latest"), max_steps=4, eval_every=2,
+                          **TINY))

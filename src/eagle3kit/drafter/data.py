@@ -270,4 +270,6 @@ def loader(source, batches, n_states, hidden_size, tokens_per_batch, start=0, ra
            pin: bool = False, rows: int = 1):
     ds = PackedBatches(source, batches, n_states, hidden_size, tokens_per_batch, start, rank, world, rows)
     kw = {"num_workers": workers, "prefetch_factor": 2, "persistent_workers": False} if workers > 0 else {}
-    return torch.utils.data.DataLoader(ds, batch_size=None, pin_memory=pin, **kw)
+    # its own generator: the workers' base seed is not drawn from the global one (a resume, which makes one loader
+    # more, would leave the global generator elsewhere than the uninterrupted run)
+    return torch.utils.data.DataLoader(ds, batch_size=None, pin_memory=pin, generator=torch.Generator(), **kw)

@@ -77,7 +77,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_ratio: float = 0.02
     min_lr_ratio: float = 0.05
-    grad_clip: float = 0.5
+    grad_clip: float = 0.5  # the gradients' global norm is clipped to this; 0: not clipped (the norm is still logged)
     epochs: int = 1
     max_steps: int = 0  # 0: the epochs decide
     tokens_per_batch: int = 8192  # rows per packed row (samples packed; a longer one is cut)
@@ -118,6 +118,12 @@ class TrainConfig:
         need(0 < self.step_decay <= 1, "step_decay in (0, 1]")
         need(self.draft_vocab_size >= 1, "draft_vocab_size >= 1")
         need(not self.fit_schedule or self.max_minutes > 0, "fit_schedule needs max_minutes > 0 (the budget to fit)")
+        need(self.eval_depth >= self.serving_steps, f"eval_steps={self.eval_steps} < serving_steps="
+             f"{self.serving_steps}: the best checkpoint is chosen by held-out tau at serving_steps, which an evaluation "
+             f"this shallow does not measure; set eval_steps >= serving_steps (or 0: ttt_steps)")
+        need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}: give the gradient norm to clip to, or 0 for none")
+        need(self.save_every >= 1 and self.eval_every >= 0, "save_every >= 1 (optimizer steps between resume points), "
+             "eval_every >= 0")
         return self
 
     @property
@@ -253,6 +259,17 @@ def no_cudnn_sdpa(device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def _heldout_source(path):
+    """An explicit held-out set: an eagle3kit data set's held-out split (its train split would be scored as held
+    out: the natural case is training from a speculators export of the same data set), or every sample of one
+    extracted without a held-out split, said in the log; a speculators export whole."""
+    src = D.open_source(path, "heldout")
+    if isinstance(src, D.CaptureSource) and len(src) == 0:
+        src = D.open_source(path, None)
+        print(f"[train] heldout={path} has no held-out split: all its {len(src)} samples are held out", flush=True)
+    return src
+
+
 def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     from eagle3kit.drafter.model import TargetHead, build
     from eagle3kit.target import TargetInfo
@@ -264,7 +281,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     train_src = D.open_source(cfg.data, "train")
     if len(train_src) == 0:
         raise TrainError(f"{cfg.data}: no training samples (split 'train' is empty). Fix: extract more samples")
-    heldout_src = D.open_source(cfg.heldout, None) if cfg.heldout else \
+    heldout_src = _heldout_source(cfg.heldout) if cfg.heldout else \
         (D.CaptureSource(cfg.data, "heldout") if isinstance(train_src, D.CaptureSource) else None)
     if heldout_src is not None and len(heldout_src) == 0:
         heldout_src = None
@@ -463,7 +480,8 @@ def _schedule(cfg: TrainConfig, state: dict):
         warmup = max(1, math.ceil(cfg.warmup_ratio * total)) if cfg.warmup_ratio > 0 else 0
         if step < warmup:
             return (step + 1) / warmup
-        p = min(1.0, (step - warmup) / max(1, total - warmup))
+        # min_lr_ratio at the last step (total - 1), also when the warmup leaves that step alone after it
+        p = 1.0 if total - 1 <= warmup else min(1.0, (step - warmup) / (total - 1 - warmup))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
     return factor
 
@@ -492,18 +510,23 @@ def load_checkpoint(path: Path) -> dict:
                          f"choose a new out_dir") from None
 
 
-def _rng_state() -> dict:
+def _rng_state(device: torch.device) -> dict:
+    """The generators a step may draw from: this process's CPU and Python ones and its own GPU's (every visible GPU's
+    would not restore on a host that shows fewer)."""
     st = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
     return st
 
 
-def _set_rng(st: dict) -> None:
+def _set_rng(st: dict, device: torch.device) -> None:
     torch.set_rng_state(st["torch"])
     random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+    if "cuda" in st and device.type == "cuda":
+        cuda = st["cuda"]
+        if isinstance(cuda, (list, tuple)):  # a checkpoint of before: one state per GPU it saw
+            cuda = cuda[device.index or 0] if (device.index or 0) < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _settings(cfg: TrainConfig) -> dict:
@@ -597,9 +620,15 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
 
         module = DDP(module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
     state = {"step": 0, "tokens": 0, "train_seconds": 0.0, "best_tau": -1.0, "best": {}, "skipped": 0,
-             "total_steps": total_steps, "planned_steps": total_steps}
+             "total_steps": total_steps, "planned_steps": total_steps, "rows_per_step": per_step}
     ckpt = out / "checkpoints" / "last.pt"
     saved = load_checkpoint(ckpt) if ckpt.exists() else None
+    if saved and saved["state"].get("rows_per_step", per_step) != per_step:  # the data position is step x rows
+        old = saved["state"]["rows_per_step"]
+        raise TrainError(f"{ckpt} was written with {old} packed rows per optimizer step (ranks x grad_accum x "
+                         f"rows_per_batch), this run takes {per_step} ({dist.world} ranks x {cfg.grad_accum} x "
+                         f"{cfg.rows_per_batch}): resumed, it would read batches again or skip them. Fix: resume with "
+                         f"as many ranks (or a grad_accum that gives {old} rows a step), or choose a new out_dir")
     if saved:
         state.update(saved["state"])  # the plan as it was (fit_schedule may have cut it)
         state.pop("stopped_early", None)  # a run stopped by max_minutes goes on when resumed
@@ -608,7 +637,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
         run.model.load_state_dict(saved["model"], strict=False)
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
-        _set_rng(saved["rng"])
+        _set_rng(saved["rng"], run.device)
         print(f"[train] resumed from {ckpt} at step {state['step']} of {state['total_steps']}", flush=True)
     total_steps = state["total_steps"]
     eval_steps = cfg.eval_depth
@@ -624,7 +653,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
         t0 = time.time()
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         _atomic_save({"model": trainable_state(run.model), "optimizer": opt.state_dict(),
-                      "scheduler": sched.state_dict(), "rng": _rng_state(), "state": state}, ckpt)
+                      "scheduler": sched.state_dict(), "rng": _rng_state(run.device), "state": state}, ckpt)
         spent["save"] += time.time() - t0
 
     if dist.rank == 0:  # a killed run's torn last line would join the resumed run's first row
@@ -642,9 +671,11 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
         m = counts.metrics("heldout_")
         row = {"step": state["step"], "tokens": state["tokens"], **m}
         log("evals.jsonl", row)
-        tau = m.get(f"heldout_tau_{cfg.serving_steps}", 0.0) if counts.valid[0] else -state["step"]
-        if tau > state["best_tau"] and dist.rank == 0:
-            state["best_tau"], state["best"] = tau, row
+        # nothing held out to judge by (no held-out rows): best/ is the latest drafter, never the untrained one
+        tau = m[f"heldout_tau_{cfg.serving_steps}"] if counts.valid[0] else None  # validate: eval depth >= serving
+        if (tau is None or tau > state["best_tau"]) and dist.rank == 0:
+            state["best_tau"] = state["best_tau"] if tau is None else tau
+            state["best"] = row
             export(run, out / "best", extra={"step": state["step"], "heldout": m})
         spent["eval"] += time.time() - t0
         return m
@@ -652,7 +683,8 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
     setup_seconds = time.time() - t_call
     if state["step"] == 0 and not ckpt.exists():
         state["initial"] = do_eval()  # the untrained drafter: what "held-out loss fell" is measured against
-    eval_seconds = spent["eval"]  # the first evaluation, if this invocation made one: fit_schedule's cost per eval
+        state["eval_seconds"] = spent["eval"]  # fit_schedule's cost of one evaluation, kept for a resume
+    eval_seconds = state.get("eval_seconds", spent["eval"])
     run.model.train()
     t_start = time.time()
     fit_from = state["step"] + 1 if cfg.fit_schedule and not state.get("fitted") else None  # pace timed from here
@@ -688,7 +720,8 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
                     (loss / cfg.grad_accum).backward()
                 counts += c
                 rows += D.real_rows(batch)
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or float("inf"))  # 0: the norm, unclipped
+            lr = sched.get_last_lr()[0]  # the one this step uses
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
@@ -708,7 +741,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
             state["train_seconds"] += dt
             state["data_wait_seconds"] = state.get("data_wait_seconds", 0.0) + waited
             m = ChainCounts.from_tensor(cfg.ttt_steps, counts.cpu()).metrics()
-            row = {"step": state["step"], "epoch": epoch, "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm),
+            row = {"step": state["step"], "epoch": epoch, "lr": lr, "grad_norm": float(gnorm),
                    "tokens_per_s": rows / dt if dt else 0.0, "seconds": dt, "data_wait_s": waited,
                    **{k: v for k, v in m.items() if k.startswith(("loss_pos", "acc_pos", "cond_acc_pos"))}}
             log("train_log.jsonl", row)
