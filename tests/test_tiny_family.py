@@ -166,3 +166,37 @@ def test_tiny_kimi_ships_the_processor_sglang_builds_on():
     except (OSError, ValueError):
         bare = None
     assert not hasattr(bare, "media_processor")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama_with_biases"])
+def test_a_qwen3_or_biased_llama_target_gets_the_llama_draft_sglang_serves(family, tmp_path):
+    """SGLang 0.5.14 serves every EAGLE-3 draft as LlamaForCausalLMEagle3: a Llama layer without biases. Before, a
+    Qwen3 target kept speculators' Qwen3 layer (its config refused at build; past that, q_norm and k_norm trained and
+    left out of the export, which SGLang runs without), and a Llama target with attention biases trained biases the
+    export drops. Now both train a bias-free Llama layer, and an export refuses any trained tensor SGLang does not
+    load (found by an audit)."""
+    import transformers
+
+    from eagle3kit.drafter import export as E
+    from eagle3kit.drafter.model import build, layer_config
+    from eagle3kit.drafter.vocab import DraftVocab
+
+    geo = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    if family == "qwen3":
+        cfg, cls = transformers.Qwen3Config(head_dim=16, **geo), transformers.Qwen3ForCausalLM
+    else:
+        cfg, cls = transformers.LlamaConfig(attention_bias=True, mlp_bias=True, **geo), transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    target = tmp_path / "target"
+    cls(cfg).save_pretrained(target)
+    tl = layer_config(target)
+    assert tl.model_type == "llama" and not tl.attention_bias and not tl.mlp_bias
+    drafter = build(target, [1, 2, 3], DraftVocab(torch.arange(0, 256, 2), 256))
+    trained = {n for n, p in drafter.named_parameters() if p.requires_grad and not n.startswith("embed_tokens")}
+    assert trained <= set(E.sglang_names(3, False)), trained - set(E.sglang_names(3, False))
+    E.sglang_tensors(drafter)  # every trained tensor goes to SGLang
+    extra = torch.nn.Parameter(torch.ones(4))  # one SGLang would not load: refused, by name
+    drafter.layers[0].self_attn.register_parameter("q_norm_weight", extra)
+    with pytest.raises(E.ExportError, match=r"layers\.0\.self_attn\.q_norm_weight"):
+        E.sglang_tensors(drafter)

@@ -44,6 +44,7 @@ def sglang_names(num_aux: int, fc_norm: bool) -> list[str]:
 
 
 def _publish(tmp: Path, dest: Path) -> Path:
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep a server running as another user out of the export
     if dest.exists():
         shutil.rmtree(dest)
     os.replace(tmp, dest)
@@ -72,6 +73,11 @@ def sglang_config(model, target_path, aux_layer_ids) -> dict:
 def sglang_tensors(model) -> dict:
     sd = model.state_dict()
     names = sglang_names(len(model.config.eagle_aux_hidden_state_layer_ids), bool(model.config.fc_norm))
+    left = sorted(n for n, p in model.named_parameters() if p.requires_grad and n not in names
+                  and not n.startswith("embed_tokens"))  # embeddings: SGLang takes the target's
+    if left:  # trained, but not in what SGLang loads: it would run another network, silently
+        raise ExportError(f"the drafter trained {left}, which SGLang 0.5.14's LlamaForCausalLMEagle3 does not load: "
+                          f"it would run without them. Fix: train a Llama-layer draft (drafter.model.layer_config)")
     out = {}
     for n in names:
         if n == "d2t":

@@ -30,8 +30,12 @@ def layer_config(target_path, num_layers: int = 1, attn_implementation: str = "s
     from eagle3kit.target import language_model_config
 
     cfg = copy.deepcopy(language_model_config(target_path))  # a multimodal wrapper's language model (Kimi-K2.5)
-    if cfg.model_type not in ("llama", "qwen3"):  # speculators' Eagle3 layer classes; SGLang serves Llama drafts
+    # SGLang serves every EAGLE-3 draft as LlamaForCausalLMEagle3: a Llama layer without biases. Another family's
+    # layer (speculators' Qwen3 one has q_norm and k_norm) would train parameters the export cannot carry, and a
+    # Llama target with attention or MLP biases would train biases SGLang's draft layer does not have
+    if cfg.model_type != "llama":
         cfg = _as_llama(cfg)
+    cfg.attention_bias = cfg.mlp_bias = False
     cfg.num_hidden_layers = num_layers
     cfg._attn_implementation = attn_implementation
     for k in ("sliding_window", "layer_types", "use_sliding_window", "max_window_layers"):
