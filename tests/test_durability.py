@@ -4,6 +4,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from eagle3kit.store import MANIFEST, ManifestWriter, read_manifest
 
 
@@ -145,6 +147,27 @@ def test_cut_torn_tail_cuts_only_a_torn_tail(tmp_path):
     assert cut_torn_tail(f) == 4 and f.read_text() == '{"a": 1}\n{"b": 2}\n'
     f.write_text("x" * 200_000)  # one torn line longer than the backward scan's block, nothing before it
     assert cut_torn_tail(f) == 200_000 and f.read_text() == ""
+    # a whole last record that lost only its newline: what the readers count as written is kept, not cut (the
+    # manifest's reader counted such a sample done and this cut it: the resume captured neither)
+    f.write_text('{"a": 1}\n{"b": 2}')
+    assert cut_torn_tail(f) == 0 and f.read_text() == '{"a": 1}\n{"b": 2}\n'
+    f.write_text('{"a": 1}\n[2]')  # not an object: not a record of ours, cut
+    assert cut_torn_tail(f) == 3 and f.read_text() == '{"a": 1}\n'
+
+
+def test_a_post_norm_data_set_is_not_resumed_as_a_pre_norm_one(tmp_path):
+    """settings_for leaves final_slot out when it is pre_norm: a post-norm data set (captured inside the prefill
+    graph) resumed without --prefill-graph compared no key and mixed the two kinds of last slot (an audit's case)."""
+    from eagle3kit.store import StoreError, check_settings
+
+    post = {"target": "t", "layer_ids": [1, 2], "final_slot": "post_norm"}
+    check_settings(tmp_path, post)
+    with pytest.raises(StoreError, match="final_slot.*post_norm.*pre_norm"):
+        check_settings(tmp_path, {"target": "t", "layer_ids": [1, 2]})
+    check_settings(tmp_path, post)  # the same settings resume
+    check_settings(tmp_path / "pre", {"target": "t", "layer_ids": [1, 2]})
+    with pytest.raises(StoreError, match="final_slot"):
+        check_settings(tmp_path / "pre", post)
 
 
 def test_a_torn_regenerated_reply_is_cut_before_more_replies_are_appended(tmp_path, tokenizer):

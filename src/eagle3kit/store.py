@@ -75,7 +75,9 @@ def cut_torn_tail(path) -> int:
     append leaves a torn last line; the next run's first append would join it into one bad line inside the file,
     which hides the complete record written onto it and reads as corruption ever after (seen on the GPU:
     gpu-drafter-pipeline-9/faults, a manifest after a disk-full stop and its resume). Every appender of a file that
-    a resume reopens calls this first."""
+    a resume reopens calls this first. A last line that is a whole JSON object (only its newline was lost) is what the
+    readers count as written: it is kept and given its newline, not cut (the manifest's reader had counted such a
+    sample as done, and this cut it, so the resume captured neither; an audit's case)."""
     path = Path(path)
     if not path.exists():
         return 0
@@ -95,10 +97,19 @@ def cut_torn_tail(path) -> int:
                 cut = start + i + 1
                 break
             pos = start
-        f.truncate(cut)
+        f.seek(cut)
+        try:
+            whole = isinstance(json.loads(f.read(end - cut)), dict)  # an object's truncation never parses
+        except ValueError:
+            whole = False
+        if whole:
+            f.seek(end)
+            f.write(b"\n")
+        else:
+            f.truncate(cut)
         f.flush()
         os.fsync(f.fileno())
-    return end - cut
+    return 0 if whole else end - cut
 
 
 class ManifestWriter:
@@ -173,12 +184,17 @@ def records_post_norm(settings: dict) -> bool:
     return settings.get("final_slot", "pre_norm") == "post_norm"
 
 
+SETTING_DEFAULTS = {"final_slot": "pre_norm"}  # what a data set's settings mean where they leave the key out
+
+
 def check_settings(out_dir: Path, settings: dict) -> None:
     """Write extraction.json on the first run; on a resume, refuse other settings (they would mix data sets)."""
     path = Path(out_dir) / SETTINGS
     if path.exists():
-        old = json.loads(path.read_text())
-        diff = {k: (old.get(k), v) for k, v in settings.items()
+        # a key left out when it holds its default (final_slot: pre_norm) compares as that default on both sides: a
+        # post-norm data set resumed without --prefill-graph would otherwise mix the two kinds of last slot
+        old = {**SETTING_DEFAULTS, **json.loads(path.read_text())}
+        diff = {k: (old.get(k), v) for k, v in {**SETTING_DEFAULTS, **settings}.items()
                 if old.get(k) != v and (k in old or k not in LATER_KEYS)}
         if diff:
             raise StoreError(f"{out_dir} was made with other settings {diff} (old, new). Fix: resume with the same "
