@@ -69,8 +69,25 @@ def test_check_pre_vs_post_norm_and_norm_before_residual():
                 {"transformer_layer_config": {"layer_types": ["sliding_attention"], "sliding_window": 512}},
                 {"transformer_layer_config": {"norm_before_residual": True}}):
         assert not check([2, 15, 27, 30], cfg, "llama", 30).ok, cfg
-    for cfg in ({"fc_norm": True, "norm_output": True}, {"norm_before_residual": False, "norm_before_fc": False}):
+    for cfg in ({"fc_norm": True, "norm_output": True}, {"norm_before_residual": False, "norm_before_fc": False},
+                # speculators' full-attention recipe: a window beside layer_types that say full attention
+                {"transformer_layer_config": {"sliding_window": 2048, "use_sliding_window": False,
+                                              "layer_types": ["full_attention"]}},
+                {"transformer_layer_config": {"sliding_window": 4096, "use_sliding_window": False}}):
         assert check([2, 15, 27, 30], cfg, "llama", 30).ok, cfg
+
+
+def test_ids_sglang_cannot_capture_are_flagged_not_read_past_the_model():
+    """SGLang captures inside its layer loop (i < L): the last layer's output is out of reach. A config naming it
+    (Llama [1, 14, 29] on 30 layers, DeepSeek [2, 31, 61] on 61) was read as input_of_layer 30 or 61 and passed."""
+    for conv, ids, n in (("sglang_llama", [1, 14, 29], 30), ("sglang_deepseek", [2, 31, 61], 61)):
+        with pytest.raises(ValueError, match="SGLang captures the inputs of layers"):
+            to_input_of_layer(ids, conv, n)
+    assert to_input_of_layer([2, 15, 30], "speculators", 30) == [2, 15, 30]  # the final state: a capture's last slot
+    bad = check([2, 15, 27, 30], {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 29]}}, "llama", 30)
+    assert not bad.ok and "[1, 14, 26]" in str(bad)  # the fix: the ids that feed what it was trained on
+    kimi = check([2, 31, 60, 61], {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 31, 61]}}, "kimi_k2", 61)
+    assert not kimi.ok and "inputs of layers 0..60" in str(kimi)
 
 
 def test_doctor_command_reports_and_exits_nonzero_on_mismatch(tmp_path, target_path, capsys):

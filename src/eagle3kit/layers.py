@@ -51,9 +51,12 @@ def to_input_of_layer(ids, convention: str, num_layers: int) -> list[int]:
         out = [k + 1 for k in ids]
     else:  # sglang_deepseek: the rule looks at the first id only
         out = [k + 1 for k in ids] if ids and ids[0] == 1 else ids
-    bad = [k for k, o in zip(ids, out) if not 0 <= o <= num_layers]
+    # SGLang's capture runs inside its layer loop (i < num_layers): the last layer's output is out of its reach
+    top = num_layers - 1 if convention.startswith("sglang") else num_layers
+    bad = [k for k, o in zip(ids, out) if not 0 <= o <= top]
     if bad:
-        raise ValueError(f"layer ids {bad} ({convention}) fall outside a {num_layers}-layer model")
+        raise ValueError(f"layer ids {bad} ({convention}) fall outside a {num_layers}-layer model"
+                         + (f" (SGLang captures the inputs of layers 0..{top})" if top < num_layers else ""))
     return out
 
 
@@ -120,21 +123,25 @@ def check(capture_layer_ids, drafter_config: dict, model_type: str, num_layers: 
     eagle = drafter_config.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids", drafter_config.get("eagle_aux_hidden_state_layer_ids"))
     conv = sglang_convention(model_type) if engine == "sglang" else "input_of_layer"
-    served = sglang_default_aux(num_layers) if ids is None else to_input_of_layer(ids, conv, num_layers)
     source = "SGLang's default (config has no eagle_aux_hidden_state_layer_ids)" if ids is None else \
         f"eagle_aux_hidden_state_layer_ids {ids} read by {engine} as {conv}"
-    if served == trained_aux:
-        d.findings.append(Finding("ok", f"{source} feeds the drafter " +
-                                  ", ".join(describe(k, num_layers) for k in served) + ", as in training"))
+    try:
+        fix = (f"set eagle_config.eagle_aux_hidden_state_layer_ids = "
+               f"{from_input_of_layer(trained_aux, conv, num_layers)} in the drafter's config.json")
+    except ValueError as e:
+        fix = f"recapture with layers the engine can feed ({e})"
+    try:
+        served = sglang_default_aux(num_layers) if ids is None else to_input_of_layer(ids, conv, num_layers)
+    except ValueError as e:  # ids the engine cannot capture at all (the last layer's output, past the model)
+        d.findings.append(Finding("error", f"{source}: {e}", fix))
     else:
-        try:
-            want = from_input_of_layer(trained_aux, conv, num_layers)
-            fix = f"set eagle_config.eagle_aux_hidden_state_layer_ids = {want} in the drafter's config.json"
-        except NotExpressible as e:
-            fix = f"recapture with layers the engine can feed ({e})"
-        offsets = sorted({s - t for s, t in zip(served, trained_aux)}) if len(served) == len(trained_aux) else []
-        d.findings.append(Finding("error", f"{source} feeds input_of_layer {served}, but the drafter was trained on "
-                                  f"{trained_aux}" + (f" (offset {offsets})" if offsets else ""), fix))
+        if served == trained_aux:
+            d.findings.append(Finding("ok", f"{source} feeds the drafter " +
+                                      ", ".join(describe(k, num_layers) for k in served) + ", as in training"))
+        else:
+            offsets = sorted({s - t for s, t in zip(served, trained_aux)}) if len(served) == len(trained_aux) else []
+            d.findings.append(Finding("error", f"{source} feeds input_of_layer {served}, but the drafter was trained "
+                                      f"on {trained_aux}" + (f" (offset {offsets})" if offsets else ""), fix))
     if not final_is_pre_norm and trainer == "speculators":
         d.findings.append(Finding("error", "the final state was captured after the norm; speculators applies the "
                                   "target's norm itself", "capture the final state before the norm (the default)"))
@@ -146,12 +153,23 @@ def check(capture_layer_ids, drafter_config: dict, model_type: str, num_layers: 
             if drafter_config.get(key) or tl.get(key):
                 d.findings.append(Finding("error", f"{key}=True: SGLang 0.5.14's LlamaForCausalLMEagle3 does not read "
                                           f"it and runs another network than the one trained", f"train with {fix}"))
-        window = drafter_config.get("sliding_window") or tl.get("sliding_window")
-        if window or "sliding_attention" in (drafter_config.get("layer_types") or tl.get("layer_types") or []):
+        window = sliding_window(drafter_config) or sliding_window(tl)
+        if window:
             d.findings.append(Finding("error", f"sliding-window attention ({window}) in the draft: SGLang runs full "
                                       f"attention unless --speculative-draft-window-size is given",
                                       "train with full attention, or serve with --speculative-draft-window-size"))
     return d
+
+
+def sliding_window(config) -> int | bool | None:
+    """The draft attention's sliding window, if it uses one (a dict or a transformers config). layer_types decides
+    where given (speculators' full-attention recipe writes sliding_window 2048 beside layer_types ["full_attention"]
+    and use_sliding_window false: full attention); else a window counts unless use_sliding_window is false."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    window, types = get("sliding_window"), get("layer_types")
+    if types:
+        return (window or True) if "sliding_attention" in types else None
+    return window if window and get("use_sliding_window") is not False else None
 
 
 def post_norm_share(final_states: torch.Tensor, norm_weight: torch.Tensor, tol: float = 0.02) -> float:

@@ -107,11 +107,13 @@ def _quiet_speculators():
 
 def check_servable(config) -> None:
     """Refuse a drafter SGLang 0.5.14 would run as another network."""
+    from eagle3kit.layers import sliding_window
+
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     bad = [f"{k}={get(k)}" for k, ok in SGLANG_UNSUPPORTED.items() if bool(get(k, ok)) != ok]
     tl = get("transformer_layer_config")
     tl_get = (tl.get if isinstance(tl, dict) else (lambda k, d=None: getattr(tl, k, d))) if tl is not None else None
-    if tl_get is not None and (tl_get("sliding_window") or "sliding_attention" in (tl_get("layer_types") or [])):
+    if tl is not None and sliding_window(tl):
         bad.append(f"sliding_window={tl_get('sliding_window')}")
     if bad:
         raise DrafterError(f"the drafter uses {', '.join(bad)}, which SGLang 0.5.14's LlamaForCausalLMEagle3 does not "
