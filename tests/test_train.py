@@ -621,6 +621,14 @@ def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, 
     with pytest.raises(ValueError, match="reply_tokens=0"):
         offline.evaluate_drafter(out / "best", small_dataset, first_replies_of=ids, reply_tokens=0, **kw)
     whole = offline.evaluate_drafter(out / "best", small_dataset, **kw, max_batches=None)
+    # data captured at other layers than the drafter's: its acceptance there says nothing, refused (an audit found it
+    # evaluated without a word, tau as on the right data)
+    other = tmp_path / "other-layers"
+    shutil.copytree(small_dataset, other)
+    settings = json.loads((other / "extraction.json").read_text())
+    (other / "extraction.json").write_text(json.dumps({**settings, "layer_ids": [5, 20, 28, 30]}))
+    with pytest.raises(ValueError, match=r"layers \[5, 20, 28, 30\].*trained on \[2, 15, 27, 30\]"):
+        offline.evaluate_drafter(out / "best", other, **kw)
     with pytest.raises(ValueError, match="eagle3kit data set"):  # no conversation ids to choose by: refused
         offline.first_replies(object(), ids)
     assert first["offline_rows"] < sum(rows(e["loss_spans"]) for e in chosen) < whole["offline_rows"]

@@ -22,7 +22,7 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter.export import load_sglang_export
     from eagle3kit.drafter.model import TargetHead
-    from eagle3kit.drafter.train import Dist, Run, TrainConfig, count_frequencies, no_cudnn_sdpa
+    from eagle3kit.drafter.train import Dist, Run, TrainConfig, _check_final_slot, count_frequencies, no_cudnn_sdpa
     from eagle3kit.drafter.vocab import DraftVocab
     from eagle3kit.target import TargetInfo, resolve_target
 
@@ -38,6 +38,10 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
     if len(source) == 0:
         raise ValueError(f"{data}: no samples of split {split!r} to evaluate on")
     info = source.info()
+    if info.layer_ids and [int(k) for k in info.layer_ids] != [int(k) for k in meta["capture_layer_ids"]]:
+        raise ValueError(f"{data} holds the states of layers {list(info.layer_ids)}, the drafter {drafter_dir} was "
+                         f"trained on {meta['capture_layer_ids']} (input_of_layer): its acceptance there says nothing. "
+                         f"Fix: evaluate on data captured at the drafter's layers")
     tinfo = TargetInfo.read(target)
     info.n_states, info.hidden_size = len(meta["capture_layer_ids"]), tinfo.hidden_size
     d2t = model.d2t if model.d2t is not None else torch.zeros(model.draft_vocab_size, dtype=torch.int64)
@@ -48,6 +52,7 @@ def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: 
     head = TargetHead.from_target(target).placed(dev)
     head.final_normed = info.final_pre_norm is False  # a recorded post-norm slot is the norm's output: logits as is
     tc = TrainConfig(data=str(data), out_dir="", tokens_per_batch=tokens_per_batch, ttt_steps=1, serving_steps=1)
+    _check_final_slot(tc, source, head)  # as training does: a post-norm slot not recorded so would be normed twice
     return Run(tc, Dist(), dev, None, source, info, target, vocab, torch.zeros(0), model.to(dev).eval(), head,
                vocab.target_to_draft().to(dev), vocab.ids.to(dev), int(most),
                extra={"aux_layer_ids": meta["capture_layer_ids"][:-1], "meta": meta})
