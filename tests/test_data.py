@@ -23,6 +23,11 @@ def test_openai_and_sharegpt_jsonl(tmp_path):
     assert [c["id"] for c in convs] == ["0", "x1"] and rep.records == 3 and rep.kept == 2
     assert convs[1]["messages"] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert rep.skipped == {"no user/assistant exchange": 1}
+    # "id": null is no id: each record keeps its place as its id (every null was one id, all but one dropped as
+    # duplicates with a misleading reason; an audit's case)
+    p.write_text("".join(json.dumps({"id": None, "messages": CONV}) + "\n" for _ in range(3)))
+    convs, rep = load_conversations(str(p))
+    assert [c["id"] for c in convs] == ["0", "1", "2"] and rep.kept == 3 and not rep.skipped
 
 
 def test_bad_input_names_file_and_line(tmp_path):

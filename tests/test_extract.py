@@ -1,4 +1,5 @@
 """Extraction on the reference engine: files, manifest, resume after a real kill, verify, preflight, exporters."""
+import copy
 import json
 import os
 import shutil
@@ -581,6 +582,16 @@ def test_conversations_that_become_no_sample_are_counted_by_reason(tokenizer, tm
     assert [s.conv_id for s in got] == ["ok"]
     assert skipped == {"no assistant reply": 1, "fewer than 1 reply token(s) within max_tokens=64": 1}
     assert [s.conv_id for s in prepare_samples([ok, no_reply, long], tokenizer, 64)] == ["ok"]  # counting is optional
+    # a template that checks the roles' order (Mistral's, Llama-2's raise_exception) refuses one conversation: a skip
+    # with its reason, not a traceback that ends the extraction (an audit's case: 4 of the first 2,000 ShareGPT ones)
+    strict = copy.copy(tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                            "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                            "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    twice = {"id": "twice", "messages": [ok["messages"][0], ok["messages"][0], ok["messages"][1]]}
+    skipped = {}
+    assert [s.conv_id for s in prepare_samples([ok, twice], strict, 64, skipped=skipped)] == ["ok"]
+    assert list(skipped) == ["the chat template refused it (Conversation roles must alternate user/assistant)"]
     # end to end: what an extraction's report (its data_skipped) holds, from a data file
     data = tmp_path / "convs.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in (ok, long, {**ok, "id": "ok2"})))

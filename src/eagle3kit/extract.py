@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 from eagle3kit.capture.format import STORAGES, remove_dead_writers_tmp
 from eagle3kit.data.conversations import load_conversations, split_of
 from eagle3kit.data.render import mask_spans, render
@@ -84,8 +86,11 @@ def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int 
         if not any(m.get("role") == "assistant" for m in conv["messages"]):  # e.g. regeneration cut at the context
             why = "no assistant reply"
         else:
-            r = render(tokenizer, conv["messages"], max_tokens=max_tokens)
-            if sum(r.loss_mask) < min_loss_tokens:
+            try:
+                r = render(tokenizer, conv["messages"], max_tokens=max_tokens)
+            except TemplateError as e:  # templates that check role order raise on one conversation: a skip, counted
+                r, why = None, f"the chat template refused it ({str(e)[:80]})"
+            if r is not None and sum(r.loss_mask) < min_loss_tokens:
                 why = f"fewer than {min_loss_tokens} reply token(s) within max_tokens={max_tokens}"
         if why:
             if skipped is not None:  # a shard's own count, beside the loader's counts of every conversation

@@ -54,7 +54,8 @@ def normalize(record: dict, index: int, report: LoadReport) -> dict | None:
     if not any(m["role"] == "assistant" for m in messages) or not any(m["role"] == "user" for m in messages):
         report.skip("no user/assistant exchange")
         return None
-    return {"id": str(record.get("id", index)), "messages": messages}
+    rid = record.get("id")  # null is no id: the record's place, as for a record without one (every null was one id)
+    return {"id": str(index if rid is None else rid), "messages": messages}
 
 
 def _records_stream(text: str, report: LoadReport):
