@@ -165,6 +165,24 @@ def test_preflight_refuses_what_does_not_fit(tmp_path, samples, monkeypatch):
     assert not (tmp_path / "new").exists()
 
 
+def test_a_first_run_the_preflight_refuses_locks_no_settings(tmp_path, samples, reference, target_path, monkeypatch):
+    """The preflight's advice (--storage fp8, fewer tokens) must work: a first run it refuses writes no settings (it
+    wrote extraction.json first, and the advised rerun was refused as 'other settings'; an audit's case)."""
+    import shutil
+    from collections import namedtuple
+
+    out = tmp_path / "run"
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: namedtuple("u", "total used free")(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(PreflightError, match="--storage fp8"):
+        extract(samples[:2], out, ReferenceBackend(reference), settings(target_path), progress=False)
+    assert not out.exists() or not any(out.iterdir())
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    s = extract(samples[:2], out, ReferenceBackend(reference, storage="fp8"), settings(target_path, "fp8"),
+                progress=False)
+    assert s["written"] == 2
+
+
 def test_batched_reference_forwards_write_the_samples_one_prompt_per_forward_writes(tmp_path, samples, reference,
                                                                                    target_path, extracted):
     from eagle3kit.extract import batches_by_length

@@ -19,8 +19,8 @@ from jinja2 import TemplateError
 from eagle3kit.capture.format import STORAGES, remove_dead_writers_tmp
 from eagle3kit.data.conversations import load_conversations, split_of
 from eagle3kit.data.render import mask_spans, render
-from eagle3kit.store import (ManifestWriter, StoreError, check_settings, compact_manifest, cut_torn_tail,
-                             read_manifest, token_sha256, verify)
+from eagle3kit.store import (SETTINGS, ManifestWriter, StoreError, check_settings, compact_manifest,
+                             cut_torn_tail, read_manifest, token_sha256, verify)
 
 
 class PreflightError(RuntimeError):
@@ -222,12 +222,12 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
     out_dir = Path(out_dir)
     if settings.get("storage") not in STORAGES:
         raise ValueError(f"storage {settings.get('storage')!r}: choose one of {STORAGES}")
-    check_settings(out_dir, settings)
+    if (out_dir / SETTINGS).exists():  # a resume: other settings refused first (a first run's are written after
+        check_settings(out_dir, settings)  # the preflight, so that one it refuses locks none: its advice works)
     samples_dir = out_dir / "samples"
-    samples_dir.mkdir(parents=True, exist_ok=True)
     # a run stopped mid-write (killed, or its server was) left half-written temporary files: never data, and
     # they hold disk space a resume needs (a minute old at least: a writer of another pid namespace looks dead)
-    swept = remove_dead_writers_tmp(samples_dir, min_age_s=60)
+    swept = remove_dead_writers_tmp(samples_dir, min_age_s=60) if samples_dir.is_dir() else 0
     if swept:
         print(f"[extract] removed {swept} half-written temporary files of writers that are gone", flush=True)
     malformed: list = []
@@ -250,6 +250,8 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
     todo = [s for s in samples if s.key not in done]
     est = preflight(todo, len(settings["layer_ids"]), settings["hidden_size"], settings["storage"], out_dir,
                     settings.get("final_normed", False))
+    check_settings(out_dir, settings)
+    samples_dir.mkdir(parents=True, exist_ok=True)
     totals = {"written": 0, "failed": 0, "tokens": 0, "bytes": 0, "retried": 0}
     failures = []
     if not todo:
