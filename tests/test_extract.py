@@ -336,6 +336,25 @@ def test_an_export_of_nothing_fails_and_leaves_its_destination_empty(tmp_path, e
     with pytest.raises(StoreError, match="every sample failed its check"):
         to_speculators(bad, tmp_path / "made", split="all")
     assert (tmp_path / "made").is_dir() and not any((tmp_path / "made").iterdir())
+    assert not list(tmp_path.glob(".*partial*"))  # nor a hidden part of it beside
+
+
+def test_an_export_killed_midway_leaves_nothing_that_loads_at_its_destination(tmp_path, extracted, monkeypatch):
+    """An export writes a hidden sibling that becomes its destination by one rename at the end: while it writes (when
+    a kill would stop it) the destination holds nothing. A killed SpecForge export left 25 of 91 samples at its
+    destination, each loading (an audit's case)."""
+    from eagle3kit import export as X
+
+    dest, seen = tmp_path / "sf", []
+    real = torch.save
+
+    def save_and_look(obj, path, *a, **k):  # the moment of each sample's write, as a kill would find it
+        real(obj, path, *a, **k)
+        seen.append(dest.exists() and any(dest.iterdir()))
+    monkeypatch.setattr(X.torch, "save", save_and_look)
+    out = X.to_specforge(extracted[0], dest, split="all")
+    assert seen and not any(seen) and out["dest"] == str(dest) and out["rows"] == len(list(dest.rglob("*.ckpt")))
+    assert not list(tmp_path.glob(".*partial*")) and oct(dest.stat().st_mode & 0o777) == "0o755"
 
 
 def test_resume_after_a_real_kill(tmp_path, target_path):

@@ -355,26 +355,35 @@ def new_folder(dest, what: str) -> Path:
 
 
 def leaves_no_partial_dest(fn):
-    """For ``fn(src, dest, ...)`` writing a new folder ``dest``: when it raises, what it wrote there is removed (the
-    folder too, if it made it), so a refused or failed run leaves ``dest`` as it was and a rerun after the fix finds
-    it empty."""
+    """For ``fn(src, dest, ...)`` writing a new folder ``dest`` (it must be new, or an empty folder): ``fn`` writes
+    into a hidden sibling (``.<name>.partial-*``) that becomes ``dest`` by one rename when it returns. So ``dest``
+    never holds a part: not when ``fn`` raises (the sibling is removed and ``dest`` left as it was, so a rerun after
+    the fix finds it as before), and not when the process is killed (a killed SpecForge export used to leave a
+    smaller data set at ``dest`` that loads; an audit's case: 25 of 91 samples)."""
     import functools
     import shutil
+    import tempfile
 
     @functools.wraps(fn)
     def wrapper(src, dest, *args, **kwargs):
         dest_path = Path(dest)
-        existed = dest_path.exists()
-        before = set(dest_path.iterdir()) if existed and dest_path.is_dir() else set()
+        if dest_path.exists() and not dest_path.is_dir():
+            raise StoreError(f"{dest_path} is a file: write into a new folder (nothing was changed)")
+        if dest_path.exists() and any(dest_path.iterdir()):
+            raise StoreError(f"{dest_path} is not empty: write into a new folder (nothing was changed)")
+        dest_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest_path.name}.partial-", dir=dest_path.parent))
         try:
-            return fn(src, dest, *args, **kwargs)
+            out = fn(src, tmp, *args, **kwargs)
         except BaseException:
-            if not existed:
-                shutil.rmtree(dest_path, ignore_errors=True)
-            elif dest_path.is_dir():
-                for p in set(dest_path.iterdir()) - before:
-                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700: readable by other users, as a folder made by mkdir
+        if dest_path.exists():
+            dest_path.rmdir()
+        os.replace(tmp, dest_path)
+        _fsync_path(dest_path.parent)
+        return {**out, "dest": str(dest_path)} if isinstance(out, dict) and "dest" in out else out
     return wrapper
 
 
