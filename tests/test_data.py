@@ -87,6 +87,36 @@ def test_loss_mask_on_assistant_tokens_smollm2(tokenizer):
     assert r.input_ids == tokenizer(r.text, add_special_tokens=False).input_ids
 
 
+@pytest.mark.parametrize("template", [None, ZEPHYR, LLAMA3])
+def test_a_tokenizer_without_offsets_gets_the_same_loss_mask_or_a_refusal(tokenizer, template):
+    """A Python (not fast) tokenizer gives no character offsets (Kimi-K2.5's tiktoken one; transformers 5 ignores
+    return_offsets_mapping there): render failed with KeyError 'offset_mapping' (an audit's case). The mask is then
+    placed by tokenizing up to each assistant turn's edges, and equals the one the offsets give, where the edges are
+    special tokens (ChatML's and Zephyr's on SmolLM2's tokenizer); where a turn's edge is plain text that merges with
+    its neighbours (Llama-3's markers, which SmolLM2's vocabulary does not hold) it is refused, naming the fix."""
+    tok = copy.copy(tokenizer)
+    if template:
+        tok.chat_template = template
+
+    class NoOffsets:  # the same tokenizer, as a Python one answers
+        chat_template = tok.chat_template
+
+        def apply_chat_template(self, *a, **k):
+            return tok.apply_chat_template(*a, **k)
+
+        def __call__(self, text, **k):
+            k.pop("return_offsets_mapping", None)
+            return {"input_ids": tok(text, **k)["input_ids"]}
+
+    fast = render(tok, CONV)
+    if template is LLAMA3:
+        with pytest.raises(TemplateError, match="no character offsets.*fast tokenizer"):
+            render(NoOffsets(), CONV)
+        return
+    slow = render(NoOffsets(), CONV)
+    assert slow.input_ids == fast.input_ids and slow.loss_mask == fast.loss_mask and sum(fast.loss_mask) > 0
+
+
 @pytest.mark.parametrize("template,end", [(LLAMA3, "<|eot_id|>"), (ZEPHYR, "</s>")])
 def test_loss_mask_with_other_templates(tokenizer, template, end):
     tok = copy.copy(tokenizer)

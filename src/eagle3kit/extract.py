@@ -14,11 +14,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jinja2 import TemplateError
-
 from eagle3kit.capture.format import STORAGES, remove_dead_writers_tmp
 from eagle3kit.data.conversations import load_conversations, split_of
-from eagle3kit.data.render import mask_spans, render
+from eagle3kit.data.render import ConversationRefused, mask_spans, render
 from eagle3kit.store import (SETTINGS, ManifestWriter, StoreError, check_settings, compact_manifest,
                              cut_torn_tail, read_manifest, token_sha256, verify)
 
@@ -88,8 +86,8 @@ def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int 
         else:
             try:
                 r = render(tokenizer, conv["messages"], max_tokens=max_tokens)
-            except TemplateError as e:  # templates that check role order raise on one conversation: a skip, counted
-                r, why = None, f"the chat template refused it ({str(e)[:80]})"
+            except ConversationRefused as e:  # templates that check the roles' order raise on one: a skip, counted
+                r, why = None, str(e)
             if r is not None and sum(r.loss_mask) < min_loss_tokens:
                 why = f"fewer than {min_loss_tokens} reply token(s) within max_tokens={max_tokens}"
         if why:
