@@ -202,6 +202,13 @@ def test_training_learns_and_exports_what_was_trained(small_dataset, tmp_path):
     assert s["train_acc_pos0"] > s["baseline_acc_pos0"]
     assert loadback_rel_err(out, small_dataset) < 0.05  # bf16 export of the fp32 weights
     assert diagnose(out / "best").ok
+    # speculators' own checkpoint of it: the doctor reads its ids as vLLM does (they match: no offset, no rewrite
+    # advised, as it once was) and says SGLang cannot load it
+    from eagle3kit.drafter.export import export_drafter
+
+    export_drafter(out, tmp_path / "spec-export", "speculators")
+    spec = str(diagnose(tmp_path / "spec-export"))
+    assert "vLLM serves it, SGLang 0.5.14 cannot load it" in spec and "offset" not in spec and "as in training" in spec
     _, cfg, _ = load_sglang_export(out / "final")
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     # the check fails on the wrong weights: the export of the untrained drafter against the trained checkpoint

@@ -34,6 +34,13 @@ def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
     # teacher_exact: the teacher saw the target's logits (a recorded post-norm slot taken as it is counts); older
     # exports only say whether the slot was pre-norm
     exact = meta.get("teacher_exact", meta.get("final_pre_norm", True))
+    if cfg.get("speculators_model_type"):  # speculators' own checkpoint (eagle3kit export speculators): what vLLM
+        # loads, its ids in the input_of_layer convention; SGLang 0.5.14 loads LlamaForCausalLMEagle3 exports only
+        d = check(capture, cfg, info.model_type, info.num_layers, engine="vllm", final_is_pre_norm=bool(exact))
+        d.findings.append(Finding("error", f"{drafter_dir} is a speculators checkpoint ({cfg['speculators_model_type']}"
+                                  f"): vLLM serves it, SGLang 0.5.14 cannot load it",
+                                  "for SGLang: `eagle3kit export sglang` (its ids are converted for the target)"))
+        return d
     d = check(capture, cfg, info.model_type, info.num_layers, final_is_pre_norm=bool(exact))
     if data:
         d.findings.extend(check_data(data, target, probe).findings)
