@@ -342,15 +342,33 @@ def _file_metadata(blob: bytes) -> dict:
     return json.loads(blob[8:8 + n]).get("__metadata__", {})
 
 
-def new_folder(dest, what: str) -> Path:
-    """``dest`` made as an empty folder for ``what`` (derive, export) to write; StoreError when it is a file or holds
-    anything (nothing is changed then)."""
-    dest = Path(dest)
+def _refuse_used(dest: Path, what: str) -> None:
+    """StoreError when ``dest`` is a file or a folder that holds anything (nothing is changed then)."""
     if dest.exists() and not dest.is_dir():
         raise StoreError(f"{dest} is a file: {what} into a new folder (nothing was changed)")
     if dest.exists() and any(dest.iterdir()):
         raise StoreError(f"{dest} is not empty: {what} into a new folder (nothing was changed)")
+
+
+def new_folder(dest, what: str) -> Path:
+    """``dest`` made as an empty folder for ``what`` (derive, export) to write; StoreError when it is a file or holds
+    anything (nothing is changed then)."""
+    dest = Path(dest)
+    _refuse_used(dest, what)
     dest.mkdir(parents=True, exist_ok=True)
+    return dest
+
+
+def publish(tmp: Path, dest: Path) -> Path:
+    """``tmp`` (a folder written beside ``dest``, made by mkdtemp) becomes ``dest`` by one rename, readable by other
+    users (mkdtemp's 0700 would keep a server running as another user out); a ``dest`` already there is replaced."""
+    import shutil
+
+    os.chmod(tmp, 0o755)
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+    _fsync_path(dest.parent)
     return dest
 
 
@@ -367,10 +385,7 @@ def leaves_no_partial_dest(fn):
     @functools.wraps(fn)
     def wrapper(src, dest, *args, **kwargs):
         dest_path = Path(dest)
-        if dest_path.exists() and not dest_path.is_dir():
-            raise StoreError(f"{dest_path} is a file: write into a new folder (nothing was changed)")
-        if dest_path.exists() and any(dest_path.iterdir()):
-            raise StoreError(f"{dest_path} is not empty: write into a new folder (nothing was changed)")
+        _refuse_used(dest_path, "write")
         dest_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest_path.name}.partial-", dir=dest_path.parent))
         try:
@@ -378,11 +393,7 @@ def leaves_no_partial_dest(fn):
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700: readable by other users, as a folder made by mkdir
-        if dest_path.exists():
-            dest_path.rmdir()
-        os.replace(tmp, dest_path)
-        _fsync_path(dest_path.parent)
+        publish(tmp, dest_path)
         return {**out, "dest": str(dest_path)} if isinstance(out, dict) and "dest" in out else out
     return wrapper
 

@@ -148,11 +148,16 @@ def measure_interleaved(urls: dict, prompts: dict, max_new_tokens=256) -> dict:
                     try:
                         got[n].append(generate(sessions[n], urls[n], prompts[n][i], lengths[i % len(lengths)]))
                     except Exception as e:  # noqa: BLE001 - this server's figures are lost, not the others'
-                        dead[n] = f"prompt {i}: {type(e).__name__}: {str(e)[:300]}"
+                        dead[n] = f"prompt {i}: {_reason(e)}"
     finally:
         for sess in sessions.values():
             sess.close()
     return {n: {"error": dead[n]} if n in dead else _summary(r, 1, sum(x["seconds"] for x in r)) for n, r in got.items()}
+
+
+def _reason(e: Exception) -> str:
+    """A failed request's reason as the results keep it."""
+    return f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def _summary(results: list, concurrency: int, wall: float) -> dict:
@@ -244,7 +249,7 @@ def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - one server's failure; the others' figures stand
-            lost[name] = f"{what}: {type(e).__name__}: {str(e)[:300]}"
+            lost[name] = f"{what}: {_reason(e)}"
             return None
 
     for name, (url, by_conc) in servers.items():
@@ -275,7 +280,7 @@ def measure_servers(servers: dict, max_new_tokens, rounds: int = 1, after_round=
                 try:
                     probe = measure_interleaved({n: servers[n][0] for n in one}, {n: servers[n][1][1] for n in one}, 1)
                 except Exception as e:  # a diagnostic: it never costs the timed figures (kept above) their round
-                    probe = {n: {"error": f"{type(e).__name__}: {str(e)[:300]}"} for n in one}
+                    probe = {n: {"error": _reason(e)} for n in one}
                 for name in one:
                     p = probe[name]
                     rows[name, 1][-1]["first_token"] = {"error": p["error"]} if "error" in p else {

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3kit.layers import from_input_of_layer, sglang_convention, token_errors
+from eagle3kit.store import publish
 
 FORMAT = "eagle3kit-drafter/1"
 _LAYER0 = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -41,14 +40,6 @@ def sglang_names(num_aux: int, fc_norm: bool) -> list[str]:
     """The tensor names LlamaForCausalLMEagle3 loads for a one-layer draft (all of them: none optional)."""
     names = ["fc.weight", "norm.weight", "lm_head.weight", "d2t"] + [f"layers.0.{n}" for n in _LAYER0]
     return names + ([f"fc_norm.{i}.weight" for i in range(num_aux)] if fc_norm else [])
-
-
-def _publish(tmp: Path, dest: Path) -> Path:
-    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep a server running as another user out of the export
-    if dest.exists():
-        shutil.rmtree(dest)
-    os.replace(tmp, dest)
-    return dest
 
 
 def sglang_config(model, target_path, aux_layer_ids) -> dict:
@@ -118,7 +109,7 @@ def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict |
         "layer_convention": "input_of_layer", "draft_vocab_size": int(vocab.size), **(provenance or {}),
         "final_pre_norm": bool(final_pre_norm),
         "teacher_exact": bool(final_pre_norm if teacher_exact is None else teacher_exact)}, indent=1, default=str))
-    return _publish(tmp, dest)
+    return publish(tmp, dest)
 
 
 def to_speculators(model, dest, provenance: dict | None = None) -> Path:
@@ -128,7 +119,7 @@ def to_speculators(model, dest, provenance: dict | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     model.save_pretrained(str(tmp))
     (tmp / "eagle3kit.json").write_text(json.dumps({"format": FORMAT, **(provenance or {})}, indent=1, default=str))
-    return _publish(tmp, dest)
+    return publish(tmp, dest)
 
 
 def load_sglang_export(path, target_path=None, attn_implementation: str = "sdpa"):
