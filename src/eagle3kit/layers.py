@@ -180,7 +180,7 @@ def post_norm_share(final_states: torch.Tensor, norm_weight: torch.Tensor, tol: 
     post-norm (an engine that hands out normed states) gives a share near 1, the correct pre-norm state near 0.
     """
     h = final_states.float().reshape(-1, final_states.shape[-1])
-    w = norm_weight.float()
+    w = norm_weight.float().to(h.device)  # the head may sit on the GPU, the loaded states on the CPU (05, -14)
     keep = w.abs() > 1e-3 * w.abs().max()
     r = (h[:, keep] / w[keep]).pow(2).mean(-1).sqrt()
     return float(((r - 1).abs() < tol).float().mean()) if r.numel() else 0.0
