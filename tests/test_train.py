@@ -720,3 +720,16 @@ def test_training_mends_found_by_an_audit(small_dataset, tmp_path):
     with pytest.raises(TrainError, match="2 packed rows per optimizer step.*this run takes 1"):
         train(TrainConfig(data=str(no_heldout), out_dir=str(tmp_path / "best-latest"), max_steps=4, eval_every=2,
                           **TINY))
+
+
+def test_each_rank_trains_on_its_own_gpu():
+    """Under torchrun, device=cuda means each rank's own GPU (NCCL refuses two ranks on one: "Duplicate GPU"), and one
+    GPU index for every rank is refused naming the fix; a single process keeps the device it was given."""
+    from eagle3kit.drafter.train import Dist, _device
+
+    assert _device(TrainConfig(data="d", out_dir="o", device="cuda"), Dist(1, 2, 1)) == torch.device("cuda", 1)
+    assert _device(TrainConfig(data="d", out_dir="o", device="cuda"), Dist(3, 4, 1)) == torch.device("cuda", 1)
+    assert _device(TrainConfig(data="d", out_dir="o", device="cuda:2"), Dist()) == torch.device("cuda", 2)
+    assert _device(TrainConfig(data="d", out_dir="o", device="cpu"), Dist(1, 2, 1)) == torch.device("cpu")
+    with pytest.raises(TrainError, match="every rank would train on GPU 0.*device=cuda or auto"):
+        _device(TrainConfig(data="d", out_dir="o", device="cuda:0"), Dist(1, 2, 1))

@@ -189,9 +189,17 @@ class Run:
 
 
 def _device(cfg: TrainConfig, dist: Dist) -> torch.device:
+    """Where this rank trains: under torchrun each rank on its own GPU (``cuda:<local rank>``) for ``auto`` and for
+    ``cuda`` alike; one GPU index for every rank would put them all on that GPU, which NCCL refuses ("Duplicate GPU")."""
     if cfg.device == "auto":
         return torch.device(f"cuda:{dist.local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return torch.device(cfg.device)
+    dev = torch.device(cfg.device)
+    if dev.type == "cuda" and dist.world > 1:
+        if dev.index is not None:
+            raise TrainError(f"device={cfg.device} under torchrun with {dist.world} ranks: every rank would train on "
+                             f"GPU {dev.index}. Fix: device=cuda or auto (each rank on its own GPU, cuda:<local rank>)")
+        dev = torch.device("cuda", dist.local_rank)
+    return dev
 
 
 def _resolve_target(cfg: TrainConfig, info: D.SourceInfo) -> Path:
@@ -520,6 +528,8 @@ def _rng_state(device: torch.device) -> dict:
 
 
 def _set_rng(st: dict, device: torch.device) -> None:
+    """Every rank gets rank 0's saved state (only rank 0 writes checkpoints): exact, since every rank is seeded alike
+    and draws in lockstep, so their generators are equal at every step."""
     torch.set_rng_state(st["torch"])
     random.setstate(st["python"])
     if "cuda" in st and device.type == "cuda":
@@ -559,7 +569,10 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
         import torch.distributed as tdist
 
         if not tdist.is_initialized():
-            tdist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
+            nccl = torch.cuda.is_available() and cfg.device != "cpu"
+            if nccl:  # this rank's own GPU before anything touches CUDA (else every rank opens a context on GPU 0)
+                torch.cuda.set_device(_device(cfg, dist))
+            tdist.init_process_group("nccl" if nccl else "gloo")
     with _exclusive_out_dir(out, dist):
         return _train(cfg, dist, out, t_call, spent)
 
