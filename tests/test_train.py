@@ -733,3 +733,19 @@ def test_each_rank_trains_on_its_own_gpu():
     assert _device(TrainConfig(data="d", out_dir="o", device="cpu"), Dist(1, 2, 1)) == torch.device("cpu")
     with pytest.raises(TrainError, match="every rank would train on GPU 0.*device=cuda or auto"):
         _device(TrainConfig(data="d", out_dir="o", device="cuda:0"), Dist(1, 2, 1))
+
+
+def test_a_plan_cut_to_the_next_step_ends_that_step_at_the_minimum_lr(small_dataset, tmp_path, monkeypatch):
+    """The scheduler computes a step's lr when the step before ends; a fit at that moment that makes the coming step
+    the last (the budget nearly spent: a loaded machine, a slowed pace) must recompute it from the new plan, else
+    the training ends far above min_lr (6.5e-4 against 5e-5 in a loaded run of the two-rank test above)."""
+    import eagle3kit.drafter.train as T
+
+    monkeypatch.setattr(T, "FIT_AFTER", 3)
+    monkeypatch.setattr(T, "_fitted_steps", lambda cfg, state, *a: state["step"] + 1)
+    s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=50, max_minutes=5,
+                          eval_every=100_000, fit_schedule=True, **TINY))
+    rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
+    assert s["train_steps"] == s["train_total_steps_fitted"] == 5 == len(rows), s  # fitted after step 1 + 3
+    assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio, rel=1e-6)
+    assert rows[-2]["lr"] > 2 * rows[-1]["lr"]  # the plan of 50 epochs was still in its warmup

@@ -494,6 +494,15 @@ def _schedule(cfg: TrainConfig, state: dict):
     return factor
 
 
+def _replan(sched, state: dict, total: int) -> None:
+    """A new planned total (fit_schedule): the lr of the coming step is recomputed from it. The scheduler computed
+    that lr when it stepped, from the old total: a refit that made the coming step the last left it far above
+    min_lr (6.5e-4 against 5e-5, a loaded CPU test run, 2026-12-04)."""
+    state["total_steps"] = total
+    sched.last_epoch -= 1
+    sched.step()  # LambdaLR: lr = base x factor(last_epoch), factor reading state["total_steps"]
+
+
 def _fitted_steps(cfg: TrainConfig, state: dict, seconds_so_far: float, pace: float, eval_seconds: float,
                   steps_per_epoch: int) -> int:
     """The planned total cut to what fits in max_minutes at ``pace`` (seconds per step; never longer than planned)."""
@@ -770,7 +779,8 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
                                        eval_seconds, steps_per_epoch)
                 dist_fitted = int(dist.all_min(torch.tensor([fitted], device=run.device)).item())  # in time on
                 # every rank's clock
-                state["total_steps"], state["fitted"], total_steps = dist_fitted, True, dist_fitted
+                _replan(sched, state, dist_fitted)
+                state["fitted"], total_steps = True, dist_fitted
                 print(f"[train] fit_schedule: {total_steps} of {state['planned_steps']} planned steps fit in "
                       f"max_minutes={cfg.max_minutes}", flush=True)
             elif look:
@@ -784,7 +794,8 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
                 if refit < total_steps:
                     print(f"[train] fit_schedule: the pace changed; {refit} steps fit instead of {total_steps}",
                           flush=True)
-                    state["total_steps"], total_steps = refit, refit
+                    _replan(sched, state, refit)
+                    total_steps = refit
             if state["step"] == fit_at or look:
                 refit_at = None  # the next check a third of the way through what is left, in steps or in time
                 if total_steps - state["step"] >= 2 * FIT_AFTER:
