@@ -138,7 +138,12 @@
 # The drafter chain at 282d445 (gpu-drafter-pipeline-14, 2026-12-04): E3K_CHAIN="data:480 train:480 serve:420" with
 # regenerate_minutes=1.2 (the second machine of the session had ~1,300 s after install): data 329 s (5,629 samples),
 # training fitted to 5.0 min, 387 s (3,888 steps at 106.9 K tokens/s, tau(3) 3.08), serve stopped in 36 s in 05's
-# offline cell (post_norm_share's CPU/GPU mismatch, fixed). Next: the same chain, serve included (~1,230 s in all).
+# offline cell (post_norm_share's CPU/GPU mismatch, fixed).
+# The same chain at a30a77f (gpu-drafter-pipeline-15, 2026-12-04), one machine, complete: the stage's 27 parts ~150 s of
+# the lease, install and setup 117 s, gpu_fit_train.sh 1200 420 170 7 (7.0 min), then data 428 s (4,725 samples: the
+# 1.2 minutes of replies gave 4,814 here against 5,744 in -14), train 515 s (4,889 steps at 98.4 K tokens/s, setup
+# 92 s, tau(3) 3.18), serve 427 s with 11 servers and 3 rounds (bcg_speedup_vs_plain 0.84, main 0.78); 130 s left.
+# The serve phase ran 7 s past its 420-s limit with 06: give it 450 next time (and cap the training at 6.5 min).
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
