@@ -103,3 +103,35 @@ def test_doctor_command_reports_and_exits_nonzero_on_mismatch(tmp_path, target_p
     cfg.write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}))
     assert main(["doctor", "--target", str(target_path), "--capture-layers", "2", "15", "27",
                  "--drafter-config", str(cfg)]) == 0
+
+
+def test_doctor_prints_the_serving_command_only_for_a_drafter_it_passes(tmp_path, target_path, capsys):
+    """A drafter the doctor passes comes with the SGLang command that serves it (its chain as trained, the prefill on
+    SGLang's breakable graph); one fed the wrong layers gets the fix and no command."""
+    import json
+    import shlex
+
+    from eagle3kit.acceptance import breakeven as B
+    from eagle3kit.cli import main
+
+    d = B.untrained_drafter(target_path, tmp_path / "untrained", 512)
+    assert main(["doctor", "--drafter", str(d)]) == 0
+    cmd = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    flag = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1, 2)}
+    assert flag["--model-path"] == str(target_path) and flag["--speculative-draft-model-path"] == str(d)
+    assert (flag["--speculative-algorithm"], flag["--speculative-num-steps"], flag["--speculative-eagle-topk"],
+            flag["--speculative-num-draft-tokens"], flag["--cuda-graph-backend-prefill"]) == ("EAGLE3", "3", "1", "4",
+                                                                                             "breakable")
+    meta = json.loads((d / "eagle3kit.json").read_text())
+    (d / "eagle3kit.json").write_text(json.dumps({**meta, "train": {"serving_steps": 7}}))
+    assert main(["doctor", "--drafter", str(d)]) == 0
+    cmd = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+    steps, drafts = (cmd[cmd.index(f) + 1] for f in ("--speculative-num-steps", "--speculative-num-draft-tokens"))
+    assert (steps, drafts) == ("7", "8")  # the chain it was trained for
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 15, 27]  # one layer off: SGLang feeds 3, 16, 28
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["doctor", "--drafter", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "[1, 14, 26]" in out and "sglang.launch_server" not in out
