@@ -120,17 +120,6 @@ def _doctor(a):
         from eagle3kit.doctor import diagnose
 
         d = diagnose(a.drafter, target=a.target, data=a.data)
-        if d.ok:  # what serves it, once nothing stands in the way
-            import shlex
-
-            from eagle3kit.doctor import serving_command
-
-            meta = Path(a.drafter) / "eagle3kit.json"
-            target = a.target or json.loads(meta.read_text()).get("target")
-            cmd = serving_command(a.drafter, resolve_target(target))
-            print(d)
-            print(f"serve it with SGLang (add your server's flags: --tp, ...):\n  {shlex.join(cmd)}")
-            return 0
     else:
         if not (a.drafter_config and a.capture_layers):
             raise ValueError("doctor needs --drafter DIR (an exported drafter), or --drafter-config and --capture-layers")
@@ -150,6 +139,13 @@ def _doctor(a):
 
             d.findings.extend(check_data(a.data, a.target or "embedded:smollm2").findings)
     print(d)
+    if a.drafter and d.ok:  # what serves it, once nothing stands in the way
+        import shlex
+
+        from eagle3kit.doctor import serving_command
+
+        cmd = serving_command(a.drafter, a.target)
+        print(f"serve it with SGLang (add your server's flags: --tp, ...):\n  {shlex.join(cmd)}")
     return 0 if d.ok else 1
 
 

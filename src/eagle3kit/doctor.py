@@ -53,17 +53,19 @@ PREFILL_GRAPH = ["--cuda-graph-backend-prefill", "breakable"]  # SGLang 0.5.14 p
 # and accepted drafts unchanged (outputs/records/gpu-drafter-pipeline-15)
 
 
-def serving_command(drafter_dir, target_path, steps: int | None = None, prefill_graph: bool = True) -> list[str]:
-    """The SGLang command that serves an exported drafter as 05 measured it best: a chain of ``steps`` (default:
-    the training's ``serving_steps``, else 3), topk 1, steps + 1 draft tokens, the prefill on a graph
-    (``PREFILL_GRAPH``). The server's own flags (``--tp``, memory, ports) are the user's to add."""
+def serving_command(drafter_dir, target=None) -> list[str]:
+    """The SGLang command that serves an exported drafter as 05 measured it best: its target (``target``, else the
+    one it was trained on), a chain of the training's ``serving_steps`` (else 3), topk 1, steps + 1 draft tokens, the
+    prefill on a graph (``PREFILL_GRAPH``). The server's own flags (``--tp``, memory, ports) are the user's to add."""
     from eagle3kit.acceptance.online import Serving
+    from eagle3kit.target import resolve_target
 
     meta_path = Path(drafter_dir) / "eagle3kit.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    steps = int(steps or (meta.get("train") or {}).get("serving_steps") or 3)
-    main = Serving("main", str(drafter_dir), steps, 1, steps + 1, PREFILL_GRAPH if prefill_graph else [])
-    return ["python", "-m", "sglang.launch_server", "--model-path", str(target_path), *main.args()]
+    steps = int((meta.get("train") or {}).get("serving_steps") or 3)
+    main = Serving("main", str(drafter_dir), steps, 1, steps + 1, PREFILL_GRAPH)
+    return ["python", "-m", "sglang.launch_server", "--model-path", str(resolve_target(target or meta["target"])),
+            *main.args()]
 
 
 PRE_NORM, POST_NORM_RECORDED, POST_NORM_UNRECORDED, RECORD_CONTRADICTED = (
