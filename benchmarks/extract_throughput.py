@@ -169,6 +169,10 @@ def complete_rounds(run_round, rounds: int, runs: dict) -> tuple[dict, int, bool
     return runs, done, False
 
 
+# capture passes: name -> (stored format, SGLang's prefill CUDA graph kept on); a name holds no "_" (the keys split on it)
+PASSES = {"bf16": ("bf16", False), "fp8": ("fp8", False), "graph": ("bf16", True), "graphfp8": ("fp8", True)}
+
+
 def print_figures(res: dict) -> None:
     width = max(map(len, res))
     for k, v in res.items():
@@ -212,6 +216,13 @@ def summarize_rounds(runs: dict, rounds: int, concurrency, storages, disk_bytes_
         res[f"capture_limit_{st}_tokens_per_s"] = statistics.median(limits)
         res[f"capture_limit_{st}_binds"] = "disk" if disk_tps < prefill else "prefill"
         ratio(f"durable_ratio_vs_limit_{st}", per_round[f"durable_{st}"], limits)
+    for fmt in ("bf16", "fp8"):  # the goals name the stored format: its layer-hook pass, else its graph pass
+        ran = [st for st in storages if PASSES[st][0] == fmt]
+        if not ran or disk_bytes_per_s is None:  # no disk figure: no limits to name
+            continue
+        res[f"durable_ratio_vs_limit_{fmt}_pass"] = src = fmt if fmt in ran else ran[0]
+        for k in [k for k in res if k.startswith(f"durable_ratio_vs_limit_{src}")]:
+            res.setdefault(f"durable_ratio_vs_limit_{fmt}" + k[len(f"durable_ratio_vs_limit_{src}"):], res[k])
     return res
 
 
@@ -260,21 +271,20 @@ def gpu(a):
     work = Path(a.work)
     shutil.rmtree(work, ignore_errors=True)
     extra = list(a.server_args)
-    # one GPU, three servers started in turn (each --mem-fraction-static counts what the earlier ones hold)
+    # one GPU, the servers started in turn (each --mem-fraction-static counts what the earlier ones hold)
     mem = lambda f: ["--mem-fraction-static", str(f)]  # noqa: E731
     env = {"EAGLE3KIT_ALLOW_PTRACE": "1"}  # py-spy may attach to the servers' processes (benchmarks/pyspy.py)
     servers = {"plain_default": SGLangServer(path, port=31003, extra_args=extra + mem(0.12),
                                              log_path=out / "bench-plain-default.log", env=env),
                "plain": SGLangServer(path, port=31000, extra_args=extra + ["--disable-cuda-graph"] + mem(0.25),
-                                     log_path=out / "bench-plain.log", env=env),
-               "bf16": capture_server(path, work / "bf16", aux, port=31001, extra_args=extra + mem(0.45),
-                                      log_path=out / "bench-capture-bf16.log", env=env),
-               "fp8": capture_server(path, work / "fp8", aux, port=31002, storage="fp8", extra_args=extra + mem(0.68),
-                                     log_path=out / "bench-capture-fp8.log", env=env)}
-    if "graph" in a.storages:  # bf16 files, captured with SGLang's prefill CUDA graph on (its defaults' server)
-        servers["graph"] = capture_server(path, work / "graph", aux, port=31004, prefill_graph=True,
-                                          extra_args=extra + mem(0.8), log_path=out / "bench-capture-graph.log", env=env)
-    servers = {k: v for k, v in servers.items() if k.startswith("plain") or k in a.storages}
+                                     log_path=out / "bench-plain.log", env=env)}
+    # the capture servers share what is left up to 0.8 (the rest: CUDA graphs and activations outside the pools)
+    for i, name in enumerate(a.storages):
+        storage, prefill_graph = PASSES[name]
+        servers[name] = capture_server(path, work / name, aux, port=31010 + i, storage=storage,
+                                       prefill_graph=prefill_graph,
+                                       extra_args=extra + mem(round(0.25 + 0.55 * (i + 1) / len(a.storages), 3)),
+                                       log_path=out / f"bench-capture-{name}.log", env=env)
     import random
 
     serial = dict(random.Random(a.seed).sample(sorted(prompts.items()), min(a.serial_samples, len(prompts))))
@@ -358,9 +368,13 @@ def gpu(a):
     res.update(disk)
     res.update(summarize_rounds(runs, rounds, a.concurrency, list(clients), disk["disk_durable_bytes_per_s"],
                                 {st: res[f"bytes_per_token_{st}"] for st in clients}))
-    for storage in ("bf16", "fp8"):
-        if f"bytes_per_token_{storage}" not in res:  # storage not served in this run: its files' size, measured
-            res[f"bytes_per_token_{storage}"] = reencoded_bytes_per_token(work / a.storages[0], storage)
+    for fmt in ("bf16", "fp8"):
+        served = [st for st in clients if PASSES[st][0] == fmt and f"bytes_per_token_{st}" in res]
+        if f"bytes_per_token_{fmt}" in res:
+            continue
+        # stored by a graph pass in this run: its files' size; not stored at all: re-encoded captures', measured
+        res[f"bytes_per_token_{fmt}"] = (res[f"bytes_per_token_{served[0]}"] if served
+                                         else reencoded_bytes_per_token(work / a.storages[0], fmt))
     res["extract_tokens_per_s"] = best[a.storages[0]]  # bf16, the default storage, unless left out
     res["extract_storage"] = a.storages[0]
     res["ratio_vs_plain"] = best[a.storages[0]] / res["plain_prefill_tokens_per_s"]
@@ -400,7 +414,7 @@ def summarize_log(a) -> int:
     runs, complete = runs_from_log(Path(a.summarize_log).read_text().splitlines())
     if complete == 0:
         raise SystemExit(f"{a.summarize_log}: no complete round to summarize")
-    storages = sorted({k.split("_")[1] for k in runs if k.startswith("capture_")}, key=["bf16", "fp8", "graph"].index)
+    storages = sorted({k.split("_")[1] for k in runs if k.startswith("capture_")}, key=list(PASSES).index)
     concurrency = sorted({int(k.rsplit("conc", 1)[1]) for k in runs if k.startswith("plain_default_conc")})
     res = {"from_log": Path(a.summarize_log).name, "rounds_complete": complete}
     res.update(summarize_rounds(runs, complete, concurrency, storages, None, {}))
@@ -422,10 +436,10 @@ def main(argv=None):
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     p.add_argument("--out", required=True, help="folder for metrics.json and logs")
     p.add_argument("--work", default="/tmp/eagle3kit-bench", help="scratch folder for the captures")
-    p.add_argument("--storages", nargs="+", choices=["bf16", "fp8", "graph"], default=["bf16", "fp8"],
-                   help="capture servers to run (the first is extract_tokens_per_s); a storage left out has its bytes "
-                        "per token measured on re-encoded captures; graph: bf16 with SGLang's prefill CUDA graph on "
-                        "(prefill_graph)")
+    p.add_argument("--storages", nargs="+", choices=list(PASSES), default=["bf16", "fp8"],
+                   help="capture servers to run (the first is extract_tokens_per_s and ratio_vs_plain_default); a "
+                        "format left out has its bytes per token measured on re-encoded captures; graph, graphfp8: "
+                        "bf16, fp8 with SGLang's prefill CUDA graph on (prefill_graph)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of all passes in turn (ratios per round: median, "
                    "spread)")
     p.add_argument("--seed", type=int, default=0, help="which prompts the serial pass draws")

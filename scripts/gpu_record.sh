@@ -188,7 +188,8 @@ for what in ${phases//,/ }; do
     dp) $stop python3 -m eagle3kit.cli run params/gpu-smollm2-dp2.yaml --run-dir "$rec/run" "${@:2}" 2>&1 | tee "$rec/run.log"; rc=${PIPESTATUS[0]} ;;
     bench) # E3K_BENCH_TARGET: another target (embedded:kimi-k25-tiny: SGLang's defaults prefill it without a graph, as
         # Kimi-K2.5 itself; E3K_BENCH_SERVER_ARGS="--trust-remote-code" with it); E3K_BENCH_STORAGES: the capture
-        # servers (default "bf16 fp8"; "graph": bf16 with SGLang's prefill CUDA graph kept on, capture.graph_plugin)
+        # servers (default "bf16 fp8"; "graph", "graphfp8": bf16, fp8 with SGLang's prefill CUDA graph kept on,
+        # capture.graph_plugin)
         $stop python3 benchmarks/extract_throughput.py --out "$rec" --work /root/bench-work --rounds ${E3K_BENCH_ROUNDS:-3} --samples ${E3K_BENCH_SAMPLES:-1500} \
           ${E3K_BENCH_TARGET:+--target $E3K_BENCH_TARGET} ${E3K_BENCH_STORAGES:+--storages $E3K_BENCH_STORAGES} --profile-seconds 0 "${@:2}" \
           --server-args --attention-backend triton --sampling-backend pytorch ${E3K_BENCH_SERVER_ARGS:-} 2>&1 | tee "$rec/bench.log"
@@ -199,8 +200,9 @@ for what in ${phases//,/ }; do
             python3 benchmarks/writer_throughput.py --kimi --forwards ${E3K_WB_FORWARDS:-40} --storage $s --dir /root/wb \
               --out "$rec" 2>&1 | tee -a "$rec/writer.log"
           done
-          # the early-writeback lever, on and off in turn (its own metrics.json: the flag changes every figure above)
-          python3 benchmarks/writeback_ab.py --out "$rec/writeback" --rounds ${E3K_WB_ROUNDS:-4} --kimi \
+          # the early-writeback lever, on and off in turn (its own metrics.json: the flag changes every figure above);
+          # E3K_WB_AB=0: left out (recorded in gpu-benchmark-early-writeback)
+          [ "${E3K_WB_AB:-1}" = 0 ] || python3 benchmarks/writeback_ab.py --out "$rec/writeback" --rounds ${E3K_WB_ROUNDS:-4} --kimi \
             --forwards ${E3K_WB_FORWARDS:-40} --storage bf16 --dir /root/wb 2>&1 | tee "$rec/writeback.log"
         fi ;;
     breakeven)

@@ -122,3 +122,29 @@ def test_each_pass_is_reported_by_its_best_median_and_rounds_a_failed_one_counti
     assert f["capture_bf16_conc64_tokens_per_s"] == 300.0 and f["capture_bf16_conc64_median_tokens_per_s"] == 250.0
     assert f["capture_bf16_conc64_rounds"] == "300 nan 200"
     assert f["serial_tokens_per_s"] == 0.0 == f["serial_median_tokens_per_s"]
+
+
+def test_the_goals_per_stored_format_come_from_the_pass_that_stored_it():
+    """#13's goals name the stored format (durable_ratio_vs_limit_bf16, _fp8). A run of the graph passes alone
+    (graph: bf16, graphfp8: fp8, both with SGLang's prefill graph on) reports them from those passes, each with its
+    own limit (fp8's files are smaller, so a slow disk binds bf16 and not fp8), and names the pass; where the
+    layer-hook pass of a format ran too, that format's keys stay the layer-hook pass's."""
+    base = _runs()
+    runs = {k: v for k, v in base.items() if not k.startswith(("capture_bf16", "durable_bf16"))}
+    for st, scale in (("graph", 1.2), ("graphfp8", 1.1)):
+        for kind in ("capture", "durable"):
+            for c in (64, 256):
+                runs[f"{kind}_{st}_conc{c}"] = [scale * v for v in base[f"{kind}_bf16_conc{c}"]]
+    bpt = {"graph": 5000, "graphfp8": 3000}
+    r = summarize_rounds(runs, 3, [64, 256], ["graph", "graphfp8"], disk_bytes_per_s=1.5e6, bytes_per_token=bpt)
+    assert r["capture_limit_graph_binds"] == "disk" and r["capture_limit_graphfp8_binds"] == "prefill"
+    assert r["durable_ratio_vs_limit_bf16_pass"] == "graph" and r["durable_ratio_vs_limit_fp8_pass"] == "graphfp8"
+    assert r["durable_ratio_vs_limit_bf16"] == r["durable_ratio_vs_limit_graph"] == pytest.approx(1.2 * 200 / 300)
+    assert r["durable_ratio_vs_limit_fp8"] == pytest.approx(sorted(1.1 * d / p for d, p in
+                                                                   ((200, 410), (190, 390), (220, 420)))[1])
+    assert r["durable_ratio_vs_limit_fp8_spread"] == r["durable_ratio_vs_limit_graphfp8_spread"]
+    assert "durable_ratio_vs_limit_bf16_pass" not in summarize_rounds(runs, 3, [64, 256], ["graph"], None, {})
+    assert r["ratio_vs_plain_default"] == r["ratio_vs_plain_default_graph"]  # the first pass named: the graph's
+    both = summarize_rounds({**runs, **base}, 3, [64, 256], ["bf16", "graph"], 1.5e6, {"bf16": 5000, "graph": 5000})
+    assert both["durable_ratio_vs_limit_bf16_pass"] == "bf16" and "durable_ratio_vs_limit_fp8" not in both
+    assert both["durable_ratio_vs_limit_bf16"] == pytest.approx(200 / 300)
