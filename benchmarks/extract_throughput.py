@@ -11,7 +11,8 @@
       prompts (the same length distribution), once per round like every other pass
   (d) the disk: durable write bandwidth of files of a sample's size on the captures' disk, measured in the same run
       (first, before any server starts, so that a run cut by its time limit keeps it);
-      the physical limit of capture per storage is min(plain prefill, durable disk bytes/s / bytes per token)
+      the physical limit of capture per storage is min(plain prefill, the disk's durable bytes/s / bytes per token),
+      the disk's figure the larger of write-then-sync and the sync phase alone (disk_write.limit_bytes_per_s)
 Every pass runs ``--rounds`` times, in turn with the others. Ratios are taken per round (the same round's passes)
 and reported as the median, every round and their spread ((max - min) / median): ``ratio_vs_plain_default`` (page
 cache, bf16; goal >= 0.9), ``durable_ratio_vs_limit_<storage>`` (goal >= 0.9), ``ratio_vs_serial_fair``,
@@ -39,6 +40,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+
+def limit_bytes_per_s(disk: dict) -> float:
+    from disk_write import limit_bytes_per_s as limit  # benchmarks/disk_write.py
+
+    return limit(disk)
 
 
 def measure_disk(folder, gb, file_mb):
@@ -221,8 +228,8 @@ def summarize_rounds(runs: dict, rounds: int, concurrency, storages, disk_bytes_
         if not ran or disk_bytes_per_s is None:  # no disk figure: no limits to name
             continue
         res[f"durable_ratio_vs_limit_{fmt}_pass"] = src = fmt if fmt in ran else ran[0]
-        for k in [k for k in res if k.startswith(f"durable_ratio_vs_limit_{src}")]:
-            res.setdefault(f"durable_ratio_vs_limit_{fmt}" + k[len(f"durable_ratio_vs_limit_{src}"):], res[k])
+        for suffix in ("", "_rounds", "_spread"):
+            res.setdefault(f"durable_ratio_vs_limit_{fmt}{suffix}", res[f"durable_ratio_vs_limit_{src}{suffix}"])
     return res
 
 
@@ -366,7 +373,7 @@ def gpu(a):
     finally:
         stop_all(servers.values())
     res.update(disk)
-    res.update(summarize_rounds(runs, rounds, a.concurrency, list(clients), disk["disk_durable_bytes_per_s"],
+    res.update(summarize_rounds(runs, rounds, a.concurrency, list(clients), limit_bytes_per_s(disk),
                                 {st: res[f"bytes_per_token_{st}"] for st in clients}))
     for fmt in ("bf16", "fp8"):
         served = [st for st in clients if PASSES[st][0] == fmt and f"bytes_per_token_{st}" in res]
@@ -417,11 +424,17 @@ def summarize_log(a) -> int:
     storages = sorted({k.split("_")[1] for k in runs if k.startswith("capture_")}, key=list(PASSES).index)
     concurrency = sorted({int(k.rsplit("conc", 1)[1]) for k in runs if k.startswith("plain_default_conc")})
     res = {"from_log": Path(a.summarize_log).name, "rounds_complete": complete}
-    res.update(summarize_rounds(runs, complete, concurrency, storages, None, {}))
+    path = Path(a.out) / "metrics.json"  # beside what the writer benchmarks merged there in the same phase
+    old = json.loads(path.read_text()) if path.exists() else {}
+    # the run's own disk figures and bytes per token where its metrics.json has them (the limits, re-read)
+    disk = limit_bytes_per_s(old) if "disk_sync_seconds" in old else None
+    if disk is not None:
+        res["disk_writeback_bytes_per_s"] = disk
+    bpt = {st: old.get(f"bytes_per_token_{st}", old.get(f"bytes_per_token_{PASSES[st][0]}")) for st in storages}
+    res.update(summarize_rounds(runs, complete, concurrency, storages, disk if None not in bpt.values() else None, bpt))
     res.update(pass_figures(runs))
     print_figures(res)
-    path = Path(a.out) / "metrics.json"  # beside what the writer benchmarks merged there in the same phase
-    merged = {**(json.loads(path.read_text()) if path.exists() else {}), **res}
+    merged = {**old, **res}
     path.write_text(json.dumps(merged, indent=1, sort_keys=True))
     return 0
 
