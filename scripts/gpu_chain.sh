@@ -144,6 +144,12 @@
 # 1.2 minutes of replies gave 4,814 here against 5,744 in -14), train 515 s (4,889 steps at 98.4 K tokens/s, setup
 # 92 s, tau(3) 3.18), serve 427 s with 11 servers and 3 rounds (bcg_speedup_vs_plain 0.84, main 0.78); 130 s left.
 # 05 took 397 s of serve's 420 (the limit is each command's; 06 and the archive came on top): 450 leaves it a margin.
+# The thirtieth session (2026-12-05, gpu-benchmark-graph-fp8) on an H100 (the H200 kind came with no machine twice;
+# name nvidia-h100-x1 on every call once it is held: a call without a kind asked for an H200 again, and the held H100
+# was taken back meanwhile): 33 parts ~5 s each, install and setup 117 s, E3K_CHAIN="bench:560" with
+# E3K_BENCH_STORAGES="graph graphfp8" E3K_BENCH_SAMPLES=1200 E3K_BENCH_ROUNDS=3 E3K_WB_AB=0: cut at 648 s in round 2
+# (2 of 3 rounds; four servers, two tracing the prefill graph, start in ~3 min; a round of 1,171 prompts ~2.5 min),
+# the writer benchmarks after it ~40 s. Next: bench:760 for 3 rounds at 1,200 samples, or E3K_BENCH_SAMPLES=800.
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
