@@ -148,8 +148,9 @@
 # name nvidia-h100-x1 on every call once it is held: a call without a kind asked for an H200 again, and the held H100
 # was taken back meanwhile): 33 parts ~5 s each, install and setup 117 s, E3K_CHAIN="bench:560" with
 # E3K_BENCH_STORAGES="graph graphfp8" E3K_BENCH_SAMPLES=1200 E3K_BENCH_ROUNDS=3 E3K_WB_AB=0: cut at 648 s in round 2
-# (2 of 3 rounds; four servers, two tracing the prefill graph, start in ~3 min; a round of 1,171 prompts ~2.5 min),
-# the writer benchmarks after it ~40 s. Next: bench:760 for 3 rounds at 1,200 samples, or E3K_BENCH_SAMPLES=800.
+# (2 of 3 rounds). Its servers' logs: the disk pass and the prompts 88 s, then four servers in turn, ready at +231 s
+# (plain on defaults, its first start 143 s), +289, +368, +447 s (the two capture servers trace the prefill graph);
+# a round of 1,171 prompts ~60 s; the writer benchmarks after it ~40 s. Next: bench:720 with E3K_BENCH_ROUNDS=4.
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
