@@ -129,13 +129,14 @@ def test_an_interrupted_run_says_so_in_status_json(project, sig):
     notebook(project / "notebooks" / "c_slow.ipynb", "seconds = 120",
              f"import pathlib, time\npathlib.Path({str(started)!r}).touch()\ntime.sleep(seconds)")
     p = write_params(project, "experiment: s\nsteps: [c_slow, a_square]\n")
+    # SIGINT as a terminal delivers it: a suite started in the background by a non-interactive shell (`make test &`)
+    # inherits SIGINT ignored, and so would the run (2026-12-05: the cell ran its 120 s, twice, only in such suites)
     proc = subprocess.Popen([sys.executable, "-m", "eagle3kit.cli", "run", str(p), "--run-dir", str(project / "o")],
-                            cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     status_file = project / "o" / "status.json"
     deadline = time.time() + 120
-    # signal once the kernel is executing the sleeping cell (it says so), not a fixed 3 s after "running": in one full
-    # suite (2026-12-05) the SIGINT sent then was lost and the cell ran its 120 s; not reproduced in 11 tries with the
-    # signal 0-3 s after "running", on an idle and on a loaded machine (each interrupted within 2 s)
+    # signal once the kernel is executing the sleeping cell (it says so), not a fixed time after "running"
     while time.time() < deadline and not started.exists():
         time.sleep(0.2)
     time.sleep(0.5)
