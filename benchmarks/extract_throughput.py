@@ -20,7 +20,7 @@ cache, bf16; goal >= 0.9), ``durable_ratio_vs_limit_<storage>`` (goal >= 0.9), `
 counts say where time went: ``hook_us`` (the scheduler's time inside the hooks), ``backpressure_us`` (forwards
 waiting for the writer). Every request carries a unique ``extra_key``, so repeated passes over the same prompts
 never hit the prefix cache, and every pass starts after the previous pass's captures are removed and all dirty pages
-are written back (not timed). With py-spy installed, the last round's last-concurrency passes are profiled
+are written back (not timed). With py-spy installed, one round's last-concurrency passes are profiled
 (``profile-<pass>-<process>.summary.txt``: scheduler, tokenizer manager, the capture writer process, this client).
 ``--engine transformers`` measures the CPU reference engine instead (tokens/s).
 
@@ -316,7 +316,7 @@ def gpu(a):
         # rounds of every pass in turn: a slow spell of the machine (seen: 20 % between leases, 15 % between two
         # servers within a run) hits every kind of pass alike instead of one; each pass is reported by its best
         def run_round(rnd):
-            profile = a.profile_seconds if rnd == a.rounds - 1 else 0
+            profile = a.profile_seconds if rnd == a.profile_round % a.rounds else 0
             for c in a.concurrency:
                 for name in ("plain_default", "plain"):
                     fresh_start()
@@ -458,7 +458,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="which prompts the serial pass draws")
     p.add_argument("--disk-gb", type=float, default=8, help="GB written to measure the disk's durable bandwidth")
     p.add_argument("--profile-seconds", type=float, default=8,
-                   help="py-spy profiles of the last round's last-concurrency passes, seconds (0: none)")
+                   help="py-spy profiles of one round's last-concurrency passes, seconds (0: none)")
+    p.add_argument("--profile-round", type=int, default=-1,
+                   help="the round profiled (default the last; an earlier one when a time limit may cut the last)")
     p.add_argument("--summarize-log", metavar="LOG", help="no passes: the figures of an earlier run from its printed "
                    "rounds (bench.log), its complete rounds only (a run cut before this benchmark kept its own); no "
                    "disk figure there, so no limits: durable_ratio_vs_plain_default_<storage> bounds them from below")

@@ -22,6 +22,10 @@
 #     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free);
 #     E3K_BENCH_ARGS: more of its arguments (e.g. "--passes compute --ab attention=sdpa")
 #   tests: the GPU tests (pytest -m gpu), E3K_TESTS_K: pytest -k to run some of them
+#   encode: benchmarks/fp8_encode.py (#13: the hook's fp8 encoding, torch's operations against fp8_packed's kernel) and
+#     tests/test_fp8_packed.py's GPU test (the kernel's bytes are torch's)
+#   bench: E3K_BENCH_PROFILE=<seconds> py-spy profiles of one round (E3K_BENCH_PROFILE_ROUND, default the last; py-spy
+#     from a wheel carried in .whl/)
 #   breakeven: benchmarks/spec_breakeven.py (#11: each setting's break-even accept length at batch 1 with an untrained
 #     drafter, no data or training needed); E3K_BE_SETTINGS (e.g. "3,1,4 5,1,6 7,1,8 5,4,8"), E3K_BE_VARIANTS (JSON:
 #     name -> SGLang flags of that variant's plain and speculative servers), E3K_BE_ROUNDS (3), E3K_BE_PROMPTS (16)
@@ -191,7 +195,7 @@ for what in ${phases//,/ }; do
         # servers (default "bf16 fp8"; "graph", "graphfp8": bf16, fp8 with SGLang's prefill CUDA graph kept on,
         # capture.graph_plugin)
         $stop python3 benchmarks/extract_throughput.py --out "$rec" --work /root/bench-work --rounds ${E3K_BENCH_ROUNDS:-3} --samples ${E3K_BENCH_SAMPLES:-1500} \
-          ${E3K_BENCH_TARGET:+--target $E3K_BENCH_TARGET} ${E3K_BENCH_STORAGES:+--storages $E3K_BENCH_STORAGES} --profile-seconds 0 "${@:2}" \
+          ${E3K_BENCH_TARGET:+--target $E3K_BENCH_TARGET} ${E3K_BENCH_STORAGES:+--storages $E3K_BENCH_STORAGES} --profile-seconds ${E3K_BENCH_PROFILE:-0} ${E3K_BENCH_PROFILE_ROUND:+--profile-round $E3K_BENCH_PROFILE_ROUND} "${@:2}" \
           --server-args --attention-backend triton --sampling-backend pytorch ${E3K_BENCH_SERVER_ARGS:-} 2>&1 | tee "$rec/bench.log"
         rc=${PIPESTATUS[0]}; rm -rf /root/bench-work
         # E3K_BENCH_WRITERS=0: the capture benchmark alone (the writer's figures below recorded before at the same writer)
@@ -205,6 +209,11 @@ for what in ${phases//,/ }; do
           [ "${E3K_WB_AB:-1}" = 0 ] || python3 benchmarks/writeback_ab.py --out "$rec/writeback" --rounds ${E3K_WB_ROUNDS:-4} --kimi \
             --forwards ${E3K_WB_FORWARDS:-40} --storage bf16 --dir /root/wb 2>&1 | tee "$rec/writeback.log"
         fi ;;
+    encode) rc=0  # #13's fp8 lever: the hook's fp8 encoding alone, torch's ~8 operations and three copies against
+        # capture/fp8_packed.py's one kernel and one copy (benchmarks/fp8_encode.py), and the GPU test of their bytes
+        E3K_TEST_OUT="$rec" $stop python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_fp8_packed.py 2>&1 \
+          | tee "$rec/pytest.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        $stop python3 benchmarks/fp8_encode.py --out "$rec" 2>&1 | tee "$rec/bench.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     breakeven)
         $stop python3 benchmarks/spec_breakeven.py --out "$rec" ${E3K_BE_SETTINGS:+--settings $E3K_BE_SETTINGS} \
           ${E3K_BE_VARIANTS:+--variants "$E3K_BE_VARIANTS"} --rounds ${E3K_BE_ROUNDS:-3} --prompts ${E3K_BE_PROMPTS:-16} \

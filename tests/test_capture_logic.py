@@ -144,6 +144,12 @@ def test_session_captures_batched_and_chunked_requests_like_the_reference(tmp_pa
     status = session.writer.flush()
     assert status["counts"]["written"] == 2 and status["counts"]["chunked"] == 1
     assert status["counts"]["forwards_decode"] == 1 and status["ignored_rows_by_kind"] == {"other": 1}
+    if storage == "fp8":  # on the CPU the packed buffer is composed by torch (on a GPU: fp8_packed's kernel)
+        assert status["counts"]["fp8_torch_forwards"] == 2 and "fp8_fused_forwards" not in status["counts"]
+    deadline = time.time() + 10  # every region given back, the packed buffer's too (its views released as one)
+    while session.writer.ring.used and time.time() < deadline:
+        time.sleep(0.05)
+    assert session.writer.ring.used == 0
     for k, ids in prompts.items():
         t, meta = read_sample(tmp_path / f"{k}.rank0.safetensors")
         assert t["token_ids"].tolist() == ids and meta["layer_ids"] == slot_layers(cfg) == [2, 15, 27, L]

@@ -16,9 +16,9 @@ What it takes, from where (SGLang 0.5.14, Llama-style models; DESIGN.md lists th
     (the graph's static batch has none).
 
 Hot path per selected forward: per hooked layer one add (and, for mixed batches, a gather) written into its slot
-of one ``[rows, slots, H]`` block on the GPU (the file's layout; with fp8 storage encoded there, ``fp8_encode_states``, so
-fewer bytes cross: the aux slots in e4m3, the final one in bf16), then one copy of the block on a side stream into
-a pinned shared-memory ring; a separate writer process (``writer_process.py``) splits,
+of one ``[rows, slots, H]`` block on the GPU (the file's layout; with fp8 storage encoded there by one kernel into one
+buffer, ``fp8_packed``, so fewer bytes cross: the aux slots in e4m3, the final one in bf16), then one copy of the block
+on a side stream into a pinned shared-memory ring; a separate writer process (``writer_process.py``) splits,
 reassembles chunks and writes, so no file work runs under the scheduler's GIL. Every hook body is wrapped: an
 exception is counted and reported in ``_status.rank<r>.json``, never raised into SGLang.
 """
@@ -31,9 +31,9 @@ import time
 
 import torch
 
-from eagle3kit.capture import graph_plugin
+from eagle3kit.capture import fp8_packed, graph_plugin
 from eagle3kit.capture.assemble import gather_index, select_rows
-from eagle3kit.capture.format import capture_metadata, fp8_encode_states, write_marker
+from eagle3kit.capture.format import capture_metadata, write_marker
 from eagle3kit.capture.rid import RID_PREFIX
 from eagle3kit.capture.writer import Job
 from eagle3kit.capture.writer_process import WriterProcess, allow_profiler
@@ -291,8 +291,11 @@ class CaptureSession:
         if inject:
             self._fail_once -= inject
             raise RuntimeError(f"injected fault for {sorted(inject)} (fail_keys_once)")
-        if self._fp8:  # encoded where the states are (the GPU): fewer bytes to copy, no quantizing on the host
-            tensors = {name: self._copy(st, x) for name, x in fp8_encode_states(st.states).items()}
+        if self._fp8:  # encoded where the states are (the GPU: one kernel), one buffer, one copy; views of it
+            buf, layout = fp8_packed.encode_packed(st.states)
+            self.writer.note("fp8_fused_forwards" if buf.is_cuda and fp8_packed.fused_available() else
+                             "fp8_torch_forwards")
+            tensors = fp8_packed.unpack(self._copy(st, buf), layout)
         else:
             tensors = {"hidden_states": self._copy(st, st.states) if st.states.is_cuda else st.states}
         # the logits processor's input_ids; a multimodal wrapper (Kimi-K2.5's kimi_k25.py) embeds the tokens itself
