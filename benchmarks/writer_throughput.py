@@ -59,6 +59,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="folder for metrics.json (merged into one that is there)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the synthetic forwards' states live (the hook adds and, for fp8, encodes them there)")
+    p.add_argument("--io-threads", type=int, default=4, help="the writer process's file threads (capture_config)")
     p.add_argument("--kimi", action="store_true", help="Kimi-K2.5's geometry: --hidden 7168 --layers 61 "
                    "--per-request 1611")
     a = p.parse_args(argv)
@@ -70,7 +71,7 @@ def main(argv=None):
     class Mode:
         EXTEND, DECODE = 1, 2
 
-    cfg = capture_config(d, [2, a.layers // 2, a.layers - 3], a.layers, storage=a.storage)
+    cfg = capture_config(d, [2, a.layers // 2, a.layers - 3], a.layers, storage=a.storage, io_threads=a.io_threads)
     session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
     session.writer.ring.buf.fill_(0)  # populate the ring's pages, as registering it with CUDA does on the GPU
     per = a.per_request
@@ -109,7 +110,7 @@ def main(argv=None):
            "writer_tokens_per_s": tokens / total, "writer_durable_tokens_per_s": tokens / durable,
            "bytes_per_token": nbytes / tokens, "hidden": a.hidden, "slots": len(session.layer_slots),
            "marker_latency_median_s": statistics.median(lat), "marker_latency_max_s": max(lat),
-           "storage": a.storage, "device": a.device}
+           "storage": a.storage, "device": a.device, "io_threads": a.io_threads}
     if a.hidden == 7168:
         if a.storage == "bf16":  # the default storage: the figure #13 asks for under its plain name
             res["writer_gb_per_s_h7168"] = res["writer_durable_gb_per_s"]
