@@ -151,6 +151,13 @@
 # (2 of 3 rounds). Its servers' logs: the disk pass and the prompts 88 s, then four servers in turn, ready at +231 s
 # (plain on defaults, its first start 143 s), +289, +368, +447 s (the two capture servers trace the prefill graph);
 # a round of 1,171 prompts ~60 s; the writer benchmarks after it ~40 s. Next: bench:720 with E3K_BENCH_ROUNDS=4.
+# The thirty-first session (2026-12-05, gpu-benchmark-fp8-fused, H100 again after one "no machine" at the first call,
+# 91 s lost): 37 parts of 8 MiB ~4.5 s each (the records fill 52 MiB of a call), .whl (py-spy) in a call of its own (it
+# did not fit beside the last part), install and setup 107 s, E3K_CHAIN="encode:150 bench:900" with
+# E3K_BENCH_STORAGES="graph graphfp8" E3K_BENCH_ROUNDS=4 E3K_BENCH_SAMPLES=1200 E3K_WB_AB=0 E3K_BENCH_PROFILE=6
+# E3K_BENCH_PROFILE_ROUND=2: encode 49 s, bench complete in 786 s (4 rounds, profiles, writer benchmarks), 216 s of the
+# budget left, which could not start another machine. Next: the writer's file threads (writer_throughput.py --io-threads
+# 4, 8, 16; torch alone, no SGLang install needed: a 3-minute call) and then bench with the winner.
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
