@@ -15,7 +15,6 @@ usage: python benchmarks/fp8_encode.py [--out DIR] [--rounds 5] [--calls 50] [--
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -127,10 +126,10 @@ def main(argv=None):
         if not k.endswith(("_rounds", "_spread")):
             print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
     if a.out:
-        path = Path(a.out) / "metrics.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        old = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**old, **res}, indent=1))
+        from eagle3kit.metrics import update_json
+
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        update_json(Path(a.out) / "metrics.json", res)
     return res
 
 

@@ -9,11 +9,12 @@ Here the three stored tensors (``format.fp8_encode_states``: the aux slots in e4
 the last slot in bf16) are laid out in one byte buffer (``packed_layout``). On the GPU one Triton kernel
 (``_fp8_triton.py``) reads the ``[T, n, H]`` block once and writes that buffer; the hook copies it into one region of
 the host ring and hands the writer views of it (``unpack``). Bit for bit what ``fp8_encode_states`` computes on the
-same device (``tests/test_gpu.py -k fp8_packed``; ``benchmarks/fp8_encode.py`` times both). Without Triton or on
+same device (``tests/test_fp8_packed.py``, its GPU test; ``benchmarks/fp8_encode.py`` times both). Without Triton or on
 the CPU, ``encode_packed`` composes the same buffer from ``fp8_encode_states``.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -26,9 +27,10 @@ PARTS = (("hidden_states_fp8", torch.float8_e4m3fn), ("hidden_states_scale", tor
          ("hidden_states_final", torch.bfloat16))
 
 
+@functools.lru_cache(maxsize=256)  # once per block shape (the hook asks every forward; shapes repeat)
 def packed_layout(n_rows: int, n_slots: int, hidden: int) -> tuple[dict, int]:
     """{name: (byte offset, shape, dtype)} of the stored fp8 tensors of a ``[n_rows, n_slots, hidden]`` block in one
-    buffer, and the buffer's size in bytes."""
+    buffer, and the buffer's size in bytes (the dict is shared between callers: read it, never change it)."""
     if n_slots < 2:
         raise ValueError(f"fp8 storage needs an aux slot and the final one: {n_slots} slot(s)")
     shapes = {"hidden_states_fp8": (n_rows, n_slots - 1, hidden), "hidden_states_scale": (n_rows, n_slots - 1),
@@ -53,7 +55,7 @@ def unpack(buf: torch.Tensor, layout: dict) -> dict:
 def encode_packed_reference(states: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """The packed buffer composed from ``format.fp8_encode_states`` (torch operations, any device)."""
     layout, size = packed_layout(*states.shape)
-    buf = torch.zeros(size, dtype=torch.uint8, device=states.device)
+    buf = torch.empty(size, dtype=torch.uint8, device=states.device)  # the alignment gaps are never read
     views = unpack(buf, layout)
     for name, x in fp8_encode_states(states).items():
         views[name].copy_(x)
