@@ -176,8 +176,12 @@ def complete_rounds(run_round, rounds: int, runs: dict) -> tuple[dict, int, bool
     return runs, done, False
 
 
-# capture passes: name -> (stored format, SGLang's prefill CUDA graph kept on); a name holds no "_" (the keys split on it)
-PASSES = {"bf16": ("bf16", False), "fp8": ("fp8", False), "graph": ("bf16", True), "graphfp8": ("fp8", True)}
+# capture passes: name -> (stored format, SGLang's prefill CUDA graph kept on, more capture_config settings); a name
+# holds no "_" (the keys split on it). graphsha: the writer as it was before xxh3-128 (sha256 files), the checksum's
+# A/B in the same run; graphio8: eight file threads in the writer instead of four
+PASSES = {"bf16": ("bf16", False, {}), "fp8": ("fp8", False, {}), "graph": ("bf16", True, {}),
+          "graphfp8": ("fp8", True, {}), "graphsha": ("bf16", True, {"checksum": "sha256"}),
+          "graphio8": ("bf16", True, {"io_threads": 8})}
 
 
 def print_figures(res: dict) -> None:
@@ -287,9 +291,9 @@ def gpu(a):
                                      log_path=out / "bench-plain.log", env=env)}
     # the capture servers share what is left up to 0.8 (the rest: CUDA graphs and activations outside the pools)
     for i, name in enumerate(a.storages):
-        storage, prefill_graph = PASSES[name]
+        storage, prefill_graph, settings = PASSES[name]
         servers[name] = capture_server(path, work / name, aux, port=31010 + i, storage=storage,
-                                       prefill_graph=prefill_graph,
+                                       prefill_graph=prefill_graph, capture_settings=settings,
                                        extra_args=extra + mem(round(0.25 + 0.55 * (i + 1) / len(a.storages), 3)),
                                        log_path=out / f"bench-capture-{name}.log", env=env)
     import random
@@ -452,7 +456,8 @@ def main(argv=None):
     p.add_argument("--storages", nargs="+", choices=list(PASSES), default=["bf16", "fp8"],
                    help="capture servers to run (the first is extract_tokens_per_s and ratio_vs_plain_default); a "
                         "format left out has its bytes per token measured on re-encoded captures; graph, graphfp8: "
-                        "bf16, fp8 with SGLang's prefill CUDA graph on (prefill_graph)")
+                        "bf16, fp8 with SGLang's prefill CUDA graph on (prefill_graph); graphsha: graph with sha256 "
+                        "files (the checksum before xxh3-128); graphio8: graph with 8 writer file threads")
     p.add_argument("--rounds", type=int, default=3, help="rounds of all passes in turn (ratios per round: median, "
                    "spread)")
     p.add_argument("--seed", type=int, default=0, help="which prompts the serial pass draws")

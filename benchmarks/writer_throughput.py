@@ -47,6 +47,7 @@ def merged_names(res: dict, storage: str) -> dict:
 def main(argv=None):
     from eagle3kit.capture.hook import CaptureSession, capture_config
     from eagle3kit.capture.rid import make_rid
+    from eagle3kit.checksum import ALGORITHMS, DEFAULT as DEFAULT_CHECKSUM
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--forwards", type=int, default=60)
@@ -60,6 +61,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the synthetic forwards' states live (the hook adds and, for fp8, encodes them there)")
     p.add_argument("--io-threads", type=int, default=4, help="the writer process's file threads (capture_config)")
+    p.add_argument("--checksum", default=DEFAULT_CHECKSUM, choices=ALGORITHMS,
+                   help="what the markers name each file by (capture_config, eagle3kit.checksum)")
     p.add_argument("--kimi", action="store_true", help="Kimi-K2.5's geometry: --hidden 7168 --layers 61 "
                    "--per-request 1611")
     a = p.parse_args(argv)
@@ -71,7 +74,8 @@ def main(argv=None):
     class Mode:
         EXTEND, DECODE = 1, 2
 
-    cfg = capture_config(d, [2, a.layers // 2, a.layers - 3], a.layers, storage=a.storage, io_threads=a.io_threads)
+    cfg = capture_config(d, [2, a.layers // 2, a.layers - 3], a.layers, storage=a.storage, io_threads=a.io_threads,
+                         checksum=a.checksum)
     session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
     session.writer.ring.buf.fill_(0)  # populate the ring's pages, as registering it with CUDA does on the GPU
     per = a.per_request
@@ -110,7 +114,8 @@ def main(argv=None):
            "writer_tokens_per_s": tokens / total, "writer_durable_tokens_per_s": tokens / durable,
            "bytes_per_token": nbytes / tokens, "hidden": a.hidden, "slots": len(session.layer_slots),
            "marker_latency_median_s": statistics.median(lat), "marker_latency_max_s": max(lat),
-           "storage": a.storage, "device": a.device, "io_threads": a.io_threads}
+           "storage": a.storage, "device": a.device, "io_threads": a.io_threads,
+           "checksum": a.checksum}
     if a.hidden == 7168:
         if a.storage == "bf16":  # the default storage: the figure #13 asks for under its plain name
             res["writer_gb_per_s_h7168"] = res["writer_durable_gb_per_s"]

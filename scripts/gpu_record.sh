@@ -18,6 +18,7 @@
 #     (eagle3kit trial), figures in the phase's metrics.json; E3K_FAULTS_K: pytest -k to run some of the tests
 #   writerbench: benchmarks/writer_throughput.py --kimi, bf16 and fp8 (#13: the writer alone at hidden 7168, 4 slots;
 #     durable GB/s and the Kimi prefill it keeps up with), and benchmarks/disk_write.py on the same disk
+#   writerab: benchmarks/writer_ab.py, the writer's checksum and file threads against each other (#13)
 #   trainbench: benchmarks/train_throughput.py on the data phase's data set (eagle3kit's trainer alone on the GPU, and
 #     speculators' own Trainer on the same data; run it between train and serve, when the GPU is free);
 #     E3K_BENCH_ARGS: more of its arguments (e.g. "--passes compute --ab attention=sdpa")
@@ -245,6 +246,15 @@ for what in ${phases//,/ }; do
             --out "$rec" 2>&1 | tee -a "$rec/bench.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done
         python3 benchmarks/disk_write.py --dir /root/e3k-disk --gb 8 --file-mb 92 2>&1 | tee "$rec/disk.txt" ;;
+    writerab) rc=0  # #13: the writer alone, its settings in turn (benchmarks/writer_ab.py): the checksum (sha256, the
+        # writer before 2026-12-05, against xxh3-128) and the file threads (4, 8, 16), at SmolLM2's geometry (GPU states),
+        # then the disk and both checksums' speed on one core; E3K_WAB_ROUNDS (3), E3K_WAB_FORWARDS (120)
+        $stop python3 benchmarks/writer_ab.py --out "$rec" --rounds ${E3K_WAB_ROUNDS:-3} \
+          --variant sha256-4="--checksum sha256 --io-threads 4" --variant xxh3-4="--checksum xxh3_128 --io-threads 4" \
+          --variant xxh3-8="--checksum xxh3_128 --io-threads 8" --variant xxh3-16="--checksum xxh3_128 --io-threads 16" \
+          -- --forwards ${E3K_WAB_FORWARDS:-120} --storage bf16 --dir /root/wab --device cuda 2>&1 | tee "$rec/bench.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        python3 benchmarks/disk_write.py --dir /root/e3k-disk --gb 8 2>&1 | tee "$rec/disk.txt" ;;
     setup) rc=0; continue ;;  # only the installs above
   esac
   for d in "$rec"/run/03_extract/data; do  # what shows the run without tensors: manifest, replies, writers' status

@@ -176,3 +176,23 @@ def test_the_disk_limit_is_its_writeback_rate_when_write_then_sync_understates_i
     assert m["capture_limit_graph_binds"] == "disk" and m["durable_ratio_vs_limit_bf16"] == pytest.approx(418e3 / limit)
     assert m["durable_ratio_vs_limit_fp8"] == pytest.approx(395 / 500) and m["writer_gb_per_s_h7168"] == 1.2
     assert "durable_ratio_vs_limit_bf16fp8" not in m  # graph's keys are not graphfp8's
+
+
+def test_the_writer_ab_takes_variants_apart_and_ratios_each_round_against_the_first():
+    """benchmarks/writer_ab.py: capitals NAME=VALUE go to the environment, the rest to writer_throughput; each
+    variant's durable ratio is taken within its round against the first variant; a malformed variant is refused."""
+    from writer_ab import parse_variant, summarize
+
+    assert parse_variant('xxh3-8=--checksum xxh3_128 --io-threads 8 E3K_EARLY_WRITEBACK=0') == \
+        ("xxh3-8", ["--checksum", "xxh3_128", "--io-threads", "8"], {"E3K_EARLY_WRITEBACK": "0"})
+    for bad in ("no equals sign", "bad name=--io-threads 8"):
+        with pytest.raises(ValueError, match="NAME="):
+            parse_variant(bad)
+    f = lambda page, durable: {"writer_gb_per_s": page, "writer_durable_gb_per_s": durable}  # noqa: E731
+    runs = {"sha": [f(1.0, 0.8), f(2.0, 1.0), f(1.0, 0.5)], "xxh": [f(1.5, 1.2), f(2.0, 1.1), f(1.0, 0.9)]}
+    r = summarize(runs)
+    assert r["ab_baseline"] == "sha" and r["ab_rounds"] == 3
+    assert r["ab_durable_ratio_xxh_vs_sha_rounds"] == "1.500 1.100 1.800"
+    assert r["ab_durable_ratio_xxh_vs_sha"] == pytest.approx(1.5)
+    assert r["ab_durable_ratio_xxh_vs_sha_spread"] == pytest.approx(0.7)
+    assert r["ab_xxh_writer_gb_per_s_median"] == pytest.approx(1.5) and "ab_durable_ratio_sha_vs_sha" not in r

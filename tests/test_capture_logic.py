@@ -266,7 +266,7 @@ def test_format_round_trip_each_storage(tmp_path, spike_dumps, storage):
 
 def test_streamed_safetensors_is_what_safetensors_reads_and_hashes(tmp_path):
     """The writer's own safetensors writer (buffers straight to the file): safetensors' readers load every dtype
-    exactly, each tensor is aligned, and the returned size and sha256 are those of the file on disk."""
+    exactly, each tensor is aligned, and the returned size and checksum (either algorithm) are the file's on disk."""
     import hashlib
     import json
     import struct
@@ -281,9 +281,13 @@ def test_streamed_safetensors_is_what_safetensors_reads_and_hashes(tmp_path):
                "scale": torch.rand(7, 3, generator=g), "q": torch.randn(7, 3, 5, generator=g).to(torch.float8_e4m3fn),
                "empty": torch.zeros(0, 5)}
     path = tmp_path / "x.safetensors"
-    n, sha = write_safetensors(path, tensors, {"layer_ids": [1, 2], "engine": "t"})
+    n, digest = write_safetensors(path, tensors, {"layer_ids": [1, 2], "engine": "t"})
     raw = path.read_bytes()
-    assert n == len(raw) and sha == hashlib.sha256(raw).hexdigest()
+    import xxhash
+    assert n == len(raw) and digest == "xxh3_128:" + xxhash.xxh3_128(raw).hexdigest()
+    n2, digest2 = write_safetensors(tmp_path / "y.safetensors", tensors, {"layer_ids": [1, 2], "engine": "t"},
+                                    checksum="sha256")
+    assert n2 == n and digest2 == "sha256:" + hashlib.sha256(raw).hexdigest()  # same bytes, the other algorithm
     with safe_open(str(path), "pt") as f:
         assert f.metadata()["layer_ids"] == "[1, 2]" and f.metadata()["format"] == FORMAT
         for k, t in tensors.items():

@@ -69,11 +69,12 @@ def test_early_writeback_is_available_on_linux_and_leaves_the_file_intact(tmp_pa
     if sys.platform.startswith("linux"):
         assert fmt._SYNC_FILE_RANGE is not None and fmt.EARLY_WRITEBACK
     t = {"hidden_states": torch.randn(64, 4, 32).bfloat16(), "token_ids": torch.arange(64)}
-    n, sha = fmt.write_safetensors(tmp_path / "s.safetensors", t, {"k": "v"})
+    n, digest = fmt.write_safetensors(tmp_path / "s.safetensors", t, {"k": "v"})
     back, meta = fmt.read_sample(tmp_path / "s.safetensors")
     assert torch.equal(back["hidden_states"], t["hidden_states"]) and meta["k"] == "v"
-    import hashlib
-    assert hashlib.sha256((tmp_path / "s.safetensors").read_bytes()).hexdigest() == sha and n == (tmp_path / "s.safetensors").stat().st_size
+    from eagle3kit import checksum
+    raw = (tmp_path / "s.safetensors").read_bytes()
+    assert checksum.matches({"checksum": digest}, raw) and n == len(raw)
     with open(tmp_path / "s.safetensors", "rb+") as f:
         fmt.start_writeback(f.fileno())  # on a file with nothing dirty: no error either
 

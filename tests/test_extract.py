@@ -93,7 +93,7 @@ def test_verify_catches_corruption_and_missing_files(tmp_path, extracted):
     t["hidden_states"][2, 1, 5] = float("nan")
     w = write_sample(out / "samples", entries[4]["key"], 0, t, meta, "bf16")
     m = out / "manifest.jsonl"
-    m.write_text("".join(json.dumps({**e, "sha256": w["sha256"], "bytes": w["bytes"]}) + "\n"
+    m.write_text("".join(json.dumps({**e, "checksum": w["checksum"], "bytes": w["bytes"]}) + "\n"
                          if e["key"] == entries[4]["key"] else json.dumps(e) + "\n" for e in entries))
     reports = [verify(out, workers=w) for w in (1, 3, 16)]
     assert [r.problems for r in reports[1:]] == [reports[0].problems] * 2, reports

@@ -122,7 +122,7 @@ def test_kill9_server_mid_extraction_then_resume(tmp_path):
     assert p.poll() is None and group is not None, "extraction ended before the kill (log: first.log)"
     os.killpg(group, signal.SIGKILL)
     killed_at = len(read_manifest(out))
-    before = {k: e["sha256"] for k, e in read_manifest(out).items()}
+    before = {k: e["checksum"] for k, e in read_manifest(out).items()}
     try:
         first_rc = p.wait(300)  # the client sees the server gone and stops (CaptureClient.unreachable)
     except subprocess.TimeoutExpired:
@@ -139,12 +139,12 @@ def test_kill9_server_mid_extraction_then_resume(tmp_path):
     report = verify(out)
     _record(kill_done_before=killed_at, kill_client_exit=first_rc, kill_resume_exit=r.returncode,
             kill_samples=expected, kill_lost=max(0, expected - len(set(keys))) + sum(k not in after for k in before),
-            kill_duplicated=len(keys) - len(set(keys)), kill_changed=sum(after[k]["sha256"] != h for k, h in before.items()
+            kill_duplicated=len(keys) - len(set(keys)), kill_changed=sum(after[k]["checksum"] != h for k, h in before.items()
                                                                          if k in after),
             kill_verified=bool(report.passed), kill_already_done=m.get("already_done"), kill_written=m.get("written"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert 0 < killed_at < expected and len(keys) == len(set(keys)) == expected
-    assert all(k in after and after[k]["sha256"] == h for k, h in before.items())
+    assert all(k in after and after[k]["checksum"] == h for k, h in before.items())
     assert report.passed
 
 
@@ -194,7 +194,7 @@ def test_disk_full_under_the_servers_writer_then_resume(tmp_path):
         assert not tmp_left, tmp_left
         assert r.returncode == 0, r.stderr[-3000:]
         assert len(keys) == len(set(keys)) == expected
-        assert all(after[k]["sha256"] == e["sha256"] for k, e in kept.items())
+        assert all(after[k]["checksum"] == e["checksum"] for k, e in kept.items())
         assert report.passed
 
 

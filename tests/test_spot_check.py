@@ -22,7 +22,7 @@ def _rewrite(src, dest, change):
         tensors, meta = read_sample(dest / "samples" / e["file"])
         change(tensors, e)
         m = write_sample(dest / "samples", e["key"], 0, tensors, meta, e.get("storage", "bf16"))
-        lines.append(json.dumps({**e, "file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"]}))
+        lines.append(json.dumps({**e, "file": m["file"], "bytes": m["bytes"], "checksum": m["checksum"]}))
     (dest / MANIFEST).write_text("\n".join(lines) + "\n")
     return dest
 

@@ -403,7 +403,7 @@ def test_bad_settings_are_refused(bad, small_dataset, tmp_path):
 def test_bad_samples_are_skipped_and_counted_never_trained_on(small_dataset, tmp_path):
     """A sample whose token ids are shifted by one (wrong file for the manifest), whose states are not finite (both
     written with a matching checksum: what a capture bug, not the disk, would make), or whose bytes changed after it
-    was written (a flipped bit, caught by the file's sha256 only) is left out of its batch with a reason; the others
+    was written (a flipped bit, caught by the file's checksum only) is left out of its batch with a reason; the others
     train."""
     import json
     import shutil
@@ -424,7 +424,7 @@ def test_bad_samples_are_skipped_and_counted_never_trained_on(small_dataset, tmp
             t["hidden_states"] = t["hidden_states"].clone()
             t["hidden_states"][3, 0, 7] = float("nan")
         m = write_sample(bad / "samples", e["key"], 0, t, meta, "bf16")
-        lines = [json.dumps({**json.loads(x), "sha256": m["sha256"], "bytes": m["bytes"]})
+        lines = [json.dumps({**json.loads(x), "checksum": m["checksum"], "bytes": m["bytes"]})
                  if json.loads(x)["key"] == e["key"] else x for x in lines]
     (bad / "manifest.jsonl").write_text("\n".join(lines) + "\n")
     f = bad / "samples" / src.entries[2]["file"]

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3kit import checksum
 from eagle3kit.capture.format import STORAGES, remove_dead_writers_tmp
 from eagle3kit.data.conversations import load_conversations, split_of
 from eagle3kit.data.render import ConversationRefused, mask_spans, render
@@ -272,7 +273,7 @@ def extract(samples: list[Sample], out_dir, backend, settings: dict, progress: b
         if ok:
             manifest.append({"key": key, "index": s.index, "conv_id": s.conv_id, "split": s.split,
                              "n_tokens": len(s.input_ids), "file": marker["file"], "bytes": marker["bytes"],
-                             "sha256": marker["sha256"], "token_sha256": token_sha256(s.input_ids),
+                             **checksum.carry(marker), "token_sha256": token_sha256(s.input_ids),
                              "loss_spans": mask_spans(s.loss_mask), "storage": marker.get("storage")},
                             samples_dir / marker["file"])
             totals["written"] += 1

@@ -3,7 +3,8 @@
 <out_dir>/
   extraction.json     the settings the data set was made with (a resume with other settings is refused)
   manifest.jsonl      one line per finished sample, appended after its file is on disk (fsynced, in groups):
-                      key, index, conv_id, split, n_tokens, file, bytes, sha256, token_sha256, loss_spans
+                      key, index, conv_id, split, n_tokens, file, bytes, checksum (eagle3kit.checksum; lines
+                      written before 2026-12-05 hold sha256), token_sha256, loss_spans
   samples/            <key>.rank<r>.safetensors + <key>.rank<r>.json (markers), written by the capture
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
+from eagle3kit import checksum
 from eagle3kit.capture.format import decode, read_sample
 from eagle3kit.data.render import spans_to_mask
 
@@ -218,7 +220,12 @@ def read_checked(out_dir: Path, entry: dict) -> tuple[dict, dict]:
     if not path.exists():
         raise StoreError(f"file {path.name} is missing")
     blob = path.read_bytes()
-    if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+    try:
+        ok = checksum.matches(entry, blob)
+    except (KeyError, ValueError) as ex:
+        raise StoreError(f"the manifest's line for {path.name} names no usable checksum ({ex}); its file cannot be "
+                         f"checked. Fix: capture it again (`eagle3kit extract` with the same settings)") from None
+    if not ok:
         raise StoreError(f"checksum differs from the manifest ({path.name} changed or is corrupt)")
     try:
         return decode(load(blob)), _file_metadata(blob)
@@ -447,7 +454,8 @@ def derive(src, dest, storage: str | None = None, final_slot: str | None = None,
                 meta["final_normed"] = False
             key = e["key"]
             m = write_sample(dest / "samples", key, 0, tensors, meta, new["storage"])
-            writer.append({**e, "file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"],
+            entry = {k: v for k, v in e.items() if k != "sha256"}  # the old file's; the new one's comes with m
+            writer.append({**entry, "file": m["file"], "bytes": m["bytes"], **checksum.carry(m),
                            "storage": new["storage"]}, dest / "samples" / m["file"])
             n += 1
     finally:

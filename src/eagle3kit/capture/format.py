@@ -13,7 +13,7 @@
     final_normed    [T, H] bf16 (optional)    the final norm's output, what the logits see (SpecForge's hidden_state)
     metadata        layer ids in the "input of layer k" convention, engine, rank, tp size, storage
 ``<key>.rank<r>.json``
-    the marker, written last: {"status": "ok", "sha256", "bytes", "n_tokens", ...} or
+    the marker, written last: {"status": "ok", "checksum", "bytes", "n_tokens", ...} or
     {"status": "incomplete" | "error", "reason": ...}. Its presence means the request is finished.
 Both are written under a temporary name and renamed, so a reader never sees half a file.
 ``_done.rank<r>.jsonl``
@@ -26,7 +26,6 @@ Both are written under a temporary name and renamed, so a reader never sees half
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -35,6 +34,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from eagle3kit import checksum as _checksum
 
 FORMAT = "eagle3kit-capture/1"
 STORAGES = ("bf16", "fp8", "fp32")  # fp32: exact copies of a float32 engine (TP check on the CPU)
@@ -124,10 +125,12 @@ def _string_metadata(metadata: dict) -> dict:
     return meta
 
 
-def write_safetensors(path: Path, tensors: dict, metadata: dict) -> tuple[int, str]:
-    """Write a safetensors file (atomically) straight from the tensors' buffers; returns (bytes, sha256).
+def write_safetensors(path: Path, tensors: dict, metadata: dict,
+                      checksum: str = _checksum.DEFAULT) -> tuple[int, str]:
+    """Write a safetensors file (atomically) straight from the tensors' buffers; returns (bytes, its checksum as
+    ``"<algorithm>:<hex>"``, ``eagle3kit.checksum``).
 
-    The hot path of the capture: a header, then each tensor's memory handed to ``write`` and ``sha256`` as a
+    The hot path of the capture: a header, then each tensor's memory handed to ``write`` and the hasher as a
     buffer, so no serialized copy is made and the GIL is released during both (the writer threads live inside
     SGLang's scheduler process). Tensors are laid out by descending element size, as safetensors does, so each
     one is aligned for a zero-copy reader."""
@@ -146,21 +149,22 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict) -> tuple[int, s
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
     head = struct.pack("<Q", len(h)) + h
-    sha = hashlib.sha256(head)
+    hasher = _checksum.new(checksum)
+    hasher.update(head)
     tmp = _tmp_name(path)
     try:
         with open(tmp, "wb") as f:
             f.write(head)
             for b in bufs:
                 f.write(b)
-                sha.update(b)
+                hasher.update(b)
             f.flush()
             start_writeback(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return len(head) + off, sha.hexdigest()
+    return len(head) + off, _checksum.field(checksum, hasher.hexdigest())["checksum"]
 
 
 def _sync_file_range():
@@ -253,15 +257,16 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def write_sample(out_dir: Path, key: str, rank: int, tensors: dict, metadata: dict, storage: str = "bf16",
-                 extra_marker: dict | None = None) -> dict:
+                 extra_marker: dict | None = None, checksum: str = _checksum.DEFAULT) -> dict:
     """Encode, write ``<key>.rank<r>.safetensors`` then its marker; returns the marker."""
     stored = encode(tensors, storage)
     name = sample_name(key, rank)
-    nbytes, sha = write_safetensors(Path(out_dir) / f"{name}.safetensors", stored, {**metadata, "storage": storage})
+    nbytes, digest = write_safetensors(Path(out_dir) / f"{name}.safetensors", stored, {**metadata, "storage": storage},
+                                       checksum)
     hs = stored.get("hidden_states", stored.get("hidden_states_fp8"))
     n_states = int(hs.shape[1]) + ("hidden_states_final" in stored)  # fp8: the last slot is stored apart
     marker = {"status": "ok", "key": key, "rank": rank, "file": f"{name}.safetensors", "bytes": nbytes,
-              "sha256": sha, "n_tokens": int(hs.shape[0]),
+              "checksum": digest, "n_tokens": int(hs.shape[0]),
               "n_states": n_states, "hidden_size": int(hs.shape[2]), "storage": storage,
               "time": time.time(), **(extra_marker or {})}
     write_marker(out_dir, key, rank, marker)

@@ -37,6 +37,7 @@ from eagle3kit.capture.format import capture_metadata, write_marker
 from eagle3kit.capture.rid import RID_PREFIX
 from eagle3kit.capture.writer import Job
 from eagle3kit.capture.writer_process import WriterProcess, allow_profiler
+from eagle3kit.checksum import DEFAULT as DEFAULT_CHECKSUM, check_algorithm
 
 log = logging.getLogger("eagle3kit.capture")
 FACTORY = "eagle3kit.capture.hook"
@@ -45,12 +46,14 @@ _SESSIONS: dict[str, "CaptureSession"] = {}
 
 def capture_config(capture_dir: str, aux_layer_ids, num_layers: int, *, final_normed: bool = False,
                    ranks="0", storage: str = "bf16", rid_prefix: str = RID_PREFIX, max_inflight_mb: int = 2048,
-                   io_threads: int = 4, model: str = "", fail_keys_once=(), prefill_graph: bool = False) -> dict:
+                   io_threads: int = 4, model: str = "", fail_keys_once=(), prefill_graph: bool = False,
+                   checksum: str = DEFAULT_CHECKSUM) -> dict:
     """The hook's config. ``aux_layer_ids`` use the "input of layer k" convention (speculators/vLLM); the final
     state (input of layer ``num_layers``) is always appended as the last slot: before the norm, or with
     ``prefill_graph`` (SGLang's prefill CUDA graph kept on, ``graph_plugin``) the final norm's output, the only final
     state SGLang's aux-state path hands out (``final_slot``). ``fail_keys_once``: fault injection for the fault tests:
-    the first forward holding one of these keys raises inside the hook (as a bug would), once per key."""
+    the first forward holding one of these keys raises inside the hook (as a bug would), once per key.
+    ``checksum``: what the markers name each file by (``eagle3kit.checksum``: xxh3_128, or sha256)."""
     aux = [int(k) for k in aux_layer_ids]
     bad = [k for k in aux if not 1 <= k < num_layers]
     if bad:
@@ -64,6 +67,7 @@ def capture_config(capture_dir: str, aux_layer_ids, num_layers: int, *, final_no
     return {"capture_dir": str(capture_dir), "aux_layer_ids": aux, "num_layers": int(num_layers),
             "final_normed": bool(final_normed), "ranks": ranks, "storage": storage, "rid_prefix": rid_prefix,
             "max_inflight_mb": int(max_inflight_mb), "io_threads": int(io_threads), "model": str(model),
+            "checksum": check_algorithm(checksum),
             **({"prefill_graph": True} if prefill_graph else {}),
             **({"fail_keys_once": [str(k) for k in fail_keys_once]} if fail_keys_once else {})}
 
@@ -135,6 +139,7 @@ class CaptureSession:
                                     config["final_normed"], final_slot(config))
             self.writer = WriterProcess(config["capture_dir"], rank, meta, storage=config["storage"],
                                         io_threads=config["io_threads"],
+                                        checksum=config.get("checksum", DEFAULT_CHECKSUM),
                                         max_inflight_bytes=config["max_inflight_mb"] << 20, dp_rank=dp_rank)
 
     # -- hook bodies (called by the wrappers below, inside try/except) ---------------------------------------

@@ -186,14 +186,14 @@ def probe_capture(url: str, capture_dir, timeout: float = 120) -> None:
 
 def capture_server(model_path, capture_dir, aux_layer_ids, port=30000, final_normed=False, ranks="0",
                    storage="bf16", extra_args=(), log_path=None, fail_keys_once=(), prefill_graph=False,
-                   **kw) -> SGLangServer:
+                   capture_settings: dict | None = None, **kw) -> SGLangServer:
     """``fail_keys_once``: fault injection for the fault tests (``hook.capture_config``). ``prefill_graph``: keep
     SGLang's prefill CUDA graph on and capture through its aux-state path (``graph_plugin``; the last slot is then
-    the final norm's output)."""
+    the final norm's output). ``capture_settings``: more ``capture_config`` arguments (``io_threads``, ``checksum``)."""
     info = TargetInfo.read(Path(model_path))
     cfg = capture_config(capture_dir, aux_layer_ids, info.num_layers, final_normed=final_normed, ranks=ranks,
                          storage=storage, model=str(model_path), fail_keys_once=fail_keys_once,
-                         prefill_graph=prefill_graph)
+                         prefill_graph=prefill_graph, **(capture_settings or {}))
     kw.setdefault("layer_module", decoder_layer_template(model_path))
     return SGLangServer(model_path, port=port, capture=cfg, extra_args=extra_args, log_path=log_path, **kw)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from eagle3kit.capture.assemble import Piece, Reassembler, Selection
 from eagle3kit.capture.format import atomic_write, status_path, write_marker, write_sample
+from eagle3kit.checksum import DEFAULT as DEFAULT_CHECKSUM
 
 
 @dataclass
@@ -34,10 +35,11 @@ class Job:
 
 class CaptureWriter:
     def __init__(self, out_dir, rank: int, metadata: dict, storage: str = "bf16", io_threads: int = 4,
-                 max_pending: int = 4096, on_release=None, dp_rank: int | None = None):
+                 max_pending: int = 4096, on_release=None, dp_rank: int | None = None,
+                 checksum: str = DEFAULT_CHECKSUM):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.rank, self.metadata, self.storage = rank, metadata, storage
+        self.rank, self.metadata, self.storage, self.checksum = rank, metadata, storage, checksum
         self.status_file = status_path(self.out_dir, rank, dp_rank)
         self.reassembler = Reassembler(max_pending)
         self.counts: Counter = Counter()
@@ -118,7 +120,7 @@ class CaptureWriter:
     def _write(self, key, rid, chunks, tensors):
         try:
             write_sample(self.out_dir, key, self.rank, tensors, self.metadata, self.storage,
-                         extra_marker={"rid": rid, "chunks": chunks})
+                         extra_marker={"rid": rid, "chunks": chunks}, checksum=self.checksum)
         except OSError as e:  # a full disk, say: the client hears it from the marker now, not after its timeout
             self.note("write_failed")
             try:  # the sample's partial file is gone already (write_safetensors), so a small marker usually fits

@@ -31,6 +31,7 @@ import torch
 from eagle3kit.capture.format import atomic_write, status_path
 from eagle3kit.capture.ring import HostRing
 from eagle3kit.capture.writer import CaptureWriter, Job
+from eagle3kit.checksum import DEFAULT as DEFAULT_CHECKSUM
 
 _LEN = struct.Struct("<I")
 
@@ -67,7 +68,8 @@ class WriterProcess:
     """The scheduler side: same interface as ``CaptureWriter`` for the capture session."""
 
     def __init__(self, out_dir, rank: int, metadata: dict, storage: str = "bf16", io_threads: int = 4,
-                 max_inflight_bytes: int = 2 << 30, max_pending: int = 4096, dp_rank: int | None = None):
+                 max_inflight_bytes: int = 2 << 30, max_pending: int = 4096, dp_rank: int | None = None,
+                 checksum: str = DEFAULT_CHECKSUM):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
@@ -80,7 +82,7 @@ class WriterProcess:
         ack_r, ack_w = os.pipe()
         spec = {"job_fd": job_r, "ack_fd": ack_w, "ring_fd": self.ring.fd, "ring_size": self.ring.size,
                 "out_dir": str(self.out_dir), "rank": rank, "metadata": metadata, "storage": storage,
-                "io_threads": io_threads, "max_pending": max_pending, "dp_rank": dp_rank}
+                "io_threads": io_threads, "max_pending": max_pending, "dp_rank": dp_rank, "checksum": checksum}
         env = dict(os.environ)
         src = str(Path(__file__).resolve().parents[2])  # eagle3kit importable in the child, installed or not
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
@@ -271,6 +273,7 @@ def main(argv=None) -> int:
 
     writer = CaptureWriter(spec["out_dir"], spec["rank"], spec["metadata"], storage=spec["storage"],
                            io_threads=spec["io_threads"], max_pending=spec["max_pending"], dp_rank=spec.get("dp_rank"),
+                           checksum=spec.get("checksum", DEFAULT_CHECKSUM),
                            on_release=lambda job: ack({"kind": "release", "id": job.tag}))
     jobs = os.fdopen(spec["job_fd"], "rb")
     while True:
