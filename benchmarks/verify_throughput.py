@@ -1,5 +1,6 @@
-"""`eagle3kit verify` (store.verify: read, sha256, decode, token ids, finite values) over a data set, by one thread
-and by several, in alternating rounds on the same files. Prints a table with every round, the median and the spread.
+"""`eagle3kit verify` (store.verify: read, checksum (xxh3-128 by default, or sha256), decode, token ids, finite
+values) over a data set, by one thread and by several, in alternating rounds on the same files. Prints a table with
+every round, the median and the spread.
 
 The data set is written here with the capture's own writer (capture.format.write_sample, the manifest as extraction
 writes it) from random states of the embedded default's shape (4 slots, hidden 576) or Kimi-K2.5's (--kimi: hidden
@@ -25,6 +26,7 @@ import torch
 def make_dataset(d: Path, samples: int, tokens: int, hidden: int, storage: str, slots: int = 4) -> int:
     """A data set ``verify`` accepts, written as extraction writes one (its settings, the capture's sample writer, the
     manifest writer); returns its bytes on disk."""
+    from eagle3kit import checksum
     from eagle3kit.capture.format import write_sample
     from eagle3kit.store import ManifestWriter, check_settings, token_sha256
 
@@ -42,7 +44,7 @@ def make_dataset(d: Path, samples: int, tokens: int, hidden: int, storage: str, 
                          {"engine": "benchmark", "layer_ids": layer_ids}, storage)
         total += m["bytes"]
         manifest.append({"key": key, "index": i, "split": "train", "n_tokens": tokens, "file": m["file"],
-                         "bytes": m["bytes"], "sha256": m["sha256"], "token_sha256": token_sha256(ids),
+                         "bytes": m["bytes"], **checksum.carry(m), "token_sha256": token_sha256(ids),
                          "loss_spans": [[0, tokens]], "storage": storage}, d / "samples" / m["file"])
     manifest.close()
     return total
