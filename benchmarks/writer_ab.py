@@ -10,7 +10,8 @@ Example (#13, the writer's file threads and checksum; the first variant is the b
   python benchmarks/writer_ab.py --out /tmp/ab --variant sha256-4="--checksum sha256 --io-threads 4" \\
       --variant xxh3-4="--checksum xxh3_128 --io-threads 4" --variant xxh3-8="--checksum xxh3_128 --io-threads 8" \\
       -- --forwards 200 --storage bf16
-Metrics: ``ab_<name>_<figure>_median`` / ``_rounds`` for writer_gb_per_s and writer_durable_gb_per_s, and
+Metrics: ``ab_<name>_<figure>_median`` / ``_rounds`` for writer_gb_per_s and writer_durable_gb_per_s (and, what set
+the pace, writer_submit_seconds and writer_backpressure_seconds: the forwards' time waiting on a full ring), and
 ``ab_durable_ratio_<name>_vs_<first>`` with ``_rounds`` and ``_spread``.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FIGURES = ("writer_gb_per_s", "writer_durable_gb_per_s")
+PACE = ("writer_submit_seconds", "writer_backpressure_seconds")  # what set the pace (see writer_throughput)
 
 
 def parse_variant(text: str) -> tuple[str, list[str], dict]:
@@ -53,7 +55,7 @@ def one(args: list[str], env: dict) -> dict:
                        env={**os.environ, **env}, capture_output=True, text=True, check=True)
         m = json.loads((Path(out) / "metrics.json").read_text())
     st = m["writer_storage"]
-    return {k: m[f"{k}_{st}"] for k in FIGURES}
+    return {k: m[f"{k}_{st}"] for k in FIGURES + PACE if f"{k}_{st}" in m}
 
 
 def run_rounds(variants: list[tuple[str, list[str], dict]], common: list[str], rounds: int) -> dict[str, list]:
@@ -63,8 +65,9 @@ def run_rounds(variants: list[tuple[str, list[str], dict]], common: list[str], r
         for name, args, env in variants:
             f = one([*common, *args], env)
             runs[name].append(f)
+            pace = "".join(f", {k.removeprefix('writer_')} {f[k]:.2f}" for k in PACE if k in f)
             print(f"round {r} {name}: page cache {f['writer_gb_per_s']:.3f} GB/s, "
-                  f"durable {f['writer_durable_gb_per_s']:.3f} GB/s", flush=True)
+                  f"durable {f['writer_durable_gb_per_s']:.3f} GB/s{pace}", flush=True)
     return runs
 
 
@@ -76,8 +79,10 @@ def summarize(runs: dict[str, list]) -> dict:
     base = next(iter(runs))
     res = {"ab_variants": " ".join(runs), "ab_baseline": base, "ab_rounds": len(runs[base])}
     for name, rows in runs.items():
-        for k in FIGURES:
-            vals = [x[k] for x in rows]
+        for k in FIGURES + PACE:
+            vals = [x[k] for x in rows if k in x]
+            if not vals:
+                continue
             res[f"ab_{name}_{k}_median"] = statistics.median(vals)
             res[f"ab_{name}_{k}_rounds"] = " ".join(f"{v:.3f}" for v in vals)
         if name != base:

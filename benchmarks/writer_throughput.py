@@ -31,7 +31,8 @@ import torch
 KIMI_TOKENS_PER_SAMPLE = 1611  # 924 GB / 10 K samples / (4 slots x 7168 x 2 bytes)
 PER_STORAGE = {"samples", "bytes", "seconds", "durable_seconds", "submit_seconds", "mb_per_s", "samples_per_s",
                "writer_gb_per_s", "writer_durable_gb_per_s", "writer_tokens_per_s", "writer_durable_tokens_per_s",
-               "bytes_per_token", "marker_latency_median_s", "marker_latency_max_s"}  # merged per storage
+               "bytes_per_token", "marker_latency_median_s", "marker_latency_max_s", "backpressure_seconds",
+               "backpressure_waits"}  # merged per storage
 
 
 def merged_names(res: dict, storage: str) -> dict:
@@ -63,6 +64,8 @@ def main(argv=None):
     p.add_argument("--io-threads", type=int, default=4, help="the writer process's file threads (capture_config)")
     p.add_argument("--checksum", default=DEFAULT_CHECKSUM, choices=ALGORITHMS,
                    help="what the markers name each file by (capture_config, eagle3kit.checksum)")
+    p.add_argument("--ring-mb", type=int, default=2048,
+                   help="the host ring's size (capture_config's max_inflight_mb): what a pass can run ahead of the disk")
     p.add_argument("--kimi", action="store_true", help="Kimi-K2.5's geometry: --hidden 7168 --layers 61 "
                    "--per-request 1611")
     a = p.parse_args(argv)
@@ -75,7 +78,7 @@ def main(argv=None):
         EXTEND, DECODE = 1, 2
 
     cfg = capture_config(d, [2, a.layers // 2, a.layers - 3], a.layers, storage=a.storage, io_threads=a.io_threads,
-                         checksum=a.checksum)
+                         checksum=a.checksum, max_inflight_mb=a.ring_mb)
     session = CaptureSession(cfg, extend_mode=Mode.EXTEND)
     session.writer.ring.buf.fill_(0)  # populate the ring's pages, as registering it with CUDA does on the GPU
     per = a.per_request
@@ -114,8 +117,12 @@ def main(argv=None):
            "writer_tokens_per_s": tokens / total, "writer_durable_tokens_per_s": tokens / durable,
            "bytes_per_token": nbytes / tokens, "hidden": a.hidden, "slots": len(session.layer_slots),
            "marker_latency_median_s": statistics.median(lat), "marker_latency_max_s": max(lat),
-           "storage": a.storage, "device": a.device, "io_threads": a.io_threads,
-           "checksum": a.checksum}
+           "storage": a.storage, "device": a.device, "io_threads": a.io_threads, "ring_mb": a.ring_mb,
+           "checksum": a.checksum,
+           # the time forwards waited on a full ring (the writer behind) out of the submit time: near 0 means the
+           # producer side (the hook's copies) set the pace, near submit_seconds that the writer process did
+           "backpressure_seconds": session.writer.counts["backpressure_us"] / 1e6,
+           "backpressure_waits": session.writer.counts["backpressure_waits"]}
     if a.hidden == 7168:
         if a.storage == "bf16":  # the default storage: the figure #13 asks for under its plain name
             res["writer_gb_per_s_h7168"] = res["writer_durable_gb_per_s"]
@@ -132,8 +139,8 @@ def main(argv=None):
         update_json(Path(a.out) / "metrics.json", merged_names(res, a.storage))
     session.writer.close()
     shutil.rmtree(d, ignore_errors=True)
-    return 0
+    return res
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

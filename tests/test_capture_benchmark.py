@@ -196,3 +196,22 @@ def test_the_writer_ab_takes_variants_apart_and_ratios_each_round_against_the_fi
     assert r["ab_durable_ratio_xxh_vs_sha"] == pytest.approx(1.5)
     assert r["ab_durable_ratio_xxh_vs_sha_spread"] == pytest.approx(0.7)
     assert r["ab_xxh_writer_gb_per_s_median"] == pytest.approx(1.5) and "ab_durable_ratio_sha_vs_sha" not in r
+    assert "ab_sha_writer_backpressure_seconds_median" not in r  # a figure no run reported is not made up
+    runs["sha"][0]["writer_backpressure_seconds"] = 0.25  # reported by one round: summarized over that one
+    assert summarize(runs)["ab_sha_writer_backpressure_seconds_rounds"] == "0.250"
+
+
+def test_the_writer_benchmark_tells_a_writer_that_held_the_forwards_back(tmp_path):
+    """writer_throughput's backpressure_seconds is the time forwards waited on a full ring: a ring of two and a half
+    forwards' blocks makes them wait on the writer; a ring that holds the whole run never does (what tells a
+    writer-bound run from a producer-bound one on the GPU, where the file threads' count and the checksum moved the
+    writer by 1-3 %)."""
+    from writer_throughput import main
+
+    common = ["--forwards", "12", "--rows", "2048", "--per-request", "512", "--device", "cpu", "--io-threads", "1"]
+    small = main([*common, "--ring-mb", "24", "--dir", str(tmp_path / "small")])
+    large = main([*common, "--ring-mb", "512", "--dir", str(tmp_path / "large")])
+    for r in (small, large):
+        assert r["samples"] == 48 and r["bytes_per_token"] > 4 * 576 * 2  # every sample written, 4 bf16 slots
+    assert small["backpressure_waits"] > 0 and small["backpressure_seconds"] > 0
+    assert large["backpressure_waits"] == 0 and large["backpressure_seconds"] == 0
