@@ -7,13 +7,12 @@ usage: python benchmarks/writeback_ab.py --out DIR [--rounds 6] [writer_throughp
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from writer_ab import FIGURES, durable_ratios, run_rounds  # noqa: E402
+from writer_ab import FIGURES, durable_ratios, emit, run_rounds  # noqa: E402
 
 
 def main(argv=None):
@@ -34,11 +33,7 @@ def main(argv=None):
     res["durable_ratio_early_on_vs_off"] = statistics.median(ratios)
     res["durable_ratio_early_on_vs_off_rounds"] = " ".join(f"{v:.3f}" for v in ratios)
     res["durable_ratio_early_on_vs_off_spread"] = max(ratios) - min(ratios)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(res, indent=1, sort_keys=True))
-    for k, v in res.items():
-        print(f"{k:45s} {v}")
+    emit(res, a.out, width=45)
     return 0
 
 

@@ -106,12 +106,16 @@ def main(argv=None):
         p.error("name two or more variants, each once")
     res = summarize(run_rounds(variants, a.common or ["--kimi", "--forwards", "10"], a.rounds))
     res["ab_common_args"] = " ".join(a.common)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(res, indent=1, sort_keys=True))
-    for k, v in res.items():
-        print(f"{k:55s} {v}")
+    emit(res, a.out)
     return 0
+
+
+def emit(res: dict, out: str, width: int = 55) -> None:
+    """``res`` into ``out``/metrics.json, and printed a figure a line."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "metrics.json").write_text(json.dumps(res, indent=1, sort_keys=True))
+    for k, v in res.items():
+        print(f"{k:{width}s} {v}")
 
 
 if __name__ == "__main__":
