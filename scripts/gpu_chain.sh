@@ -158,6 +158,11 @@
 # E3K_BENCH_PROFILE_ROUND=2: encode 49 s, bench complete in 786 s (4 rounds, profiles, writer benchmarks), 216 s of the
 # budget left, which could not start another machine. Next: the writer's file threads (writer_throughput.py --io-threads
 # 4, 8, 16; torch alone, no SGLang install needed: a 3-minute call) and then bench with the winner.
+# The thirty-third session (2026-12-06, gpu-writer-ab-xxh3) had 333 s of device time left: one call on an H100, no
+# SGLang, records untracked (scripts/records_travel.sh off: a 1.5 MB tree), writer_ab.py 3 variants x 3 rounds of
+# 100 forwards plus disk_write.py --gb 4: 88 s of command, 117 s held. 8 file threads gave nothing, xxh3 1.03x.
+# Next: E3K_CHAIN="bench:900" with E3K_BENCH_STORAGES="graph graphsha graphfp8" E3K_BENCH_ROUNDS=4 (xxh3 against sha256
+# inside SGLang's capture pass, where the file threads bound bf16), records off for the stage's calls.
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
