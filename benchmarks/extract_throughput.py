@@ -18,7 +18,9 @@ and reported as the median, every round and their spread ((max - min) / median):
 cache, bf16; goal >= 0.9), ``durable_ratio_vs_limit_<storage>`` (goal >= 0.9), ``ratio_vs_serial_fair``,
 ``ratio_spread``. Each pass's best, median and rounds are kept too (``*_rounds``). The capture servers' status
 counts say where time went: ``hook_us`` (the scheduler's time inside the hooks), ``backpressure_us`` (forwards
-waiting for the writer). Every request carries a unique ``extra_key``, so repeated passes over the same prompts
+waiting for the writer), and the writer's own stages (``capture.writer.stage_shares``: ``io_busy``, the file threads'
+busy share, 1.0 when they bind; ``io_hash``/``io_write``/``io_writeback``/``io_encode``/``io_marker``, each stage's
+part of it; ``reassembly``; ``d2h_wait``), as ``capture_<pass>_conc<c>_<name>_share``. Every request carries a unique ``extra_key``, so repeated passes over the same prompts
 never hit the prefix cache, and every pass starts after the previous pass's captures are removed and all dirty pages
 are written back (not timed). With py-spy installed, one round's last-concurrency passes are profiled
 (``profile-<pass>-<process>.summary.txt``: scheduler, tokenizer manager, the capture writer process, this client).
@@ -269,6 +271,7 @@ def gpu(a):
 
     from eagle3kit.capture.client import CaptureClient
     from eagle3kit.capture.server import SGLangServer, capture_server, stop_all
+    from eagle3kit.capture.writer import stage_shares
     from eagle3kit.pipeline import default_aux
     from eagle3kit.target import TargetInfo, resolve_target
 
@@ -355,9 +358,12 @@ def gpu(a):
                     for sp in spies:
                         sp.stop()
                     after = scheduler_counts(client)
-                    for k in ("hook_us", "backpressure_us"):  # the scheduler's share of the pass's wall time there
-                        res[f"capture_{storage}_conc{c}_{k[:-3]}_share"] = \
-                            (after.get(k, 0) - before.get(k, 0)) / 1e6 / dt
+                    # the scheduler's share of the pass's wall time in the hooks, and where the writer's went
+                    # (its file threads' busy share and their stages, its loop, the copies' wait, back-pressure)
+                    res[f"capture_{storage}_conc{c}_hook_share"] = \
+                        (after.get("hook_us", 0) - before.get("hook_us", 0)) / 1e6 / dt
+                    shares = stage_shares(before, after, dt, servers[storage].capture["io_threads"])
+                    res.update({f"capture_{storage}_conc{c}_{k}_share": v for k, v in shares.items()})
                     # a pass with failed captures did less work than it was timed for: it does not count
                     runs.setdefault(f"capture_{storage}_conc{c}", []).append(float("nan") if bad else tps)
                     failed = f"capture_{storage}_conc{c}_failed"

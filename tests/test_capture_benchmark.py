@@ -213,5 +213,7 @@ def test_the_writer_benchmark_tells_a_writer_that_held_the_forwards_back(tmp_pat
     large = main([*common, "--ring-mb", "512", "--dir", str(tmp_path / "large")])
     for r in (small, large):
         assert r["samples"] == 48 and r["bytes_per_token"] > 4 * 576 * 2  # every sample written, 4 bf16 slots
+        assert r["writer_start_seconds"] > 0  # timed apart: the writer process's start is not the writer's pace
+        assert 0 < r["share_io_busy"] <= 1.05 and r["share_io_write"] > 0
     assert small["backpressure_waits"] > 0 and small["backpressure_seconds"] > 0
     assert large["backpressure_waits"] == 0 and large["backpressure_seconds"] == 0

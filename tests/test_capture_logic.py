@@ -1,6 +1,7 @@
 """Pure capture logic on real captures: rid handling, splitting packed prefills, chunk reassembly, the hook's
 session (driven with the ForwardBatch fields SGLang hands it), the file format."""
 import json
+import math
 import time
 from enum import Enum
 from types import SimpleNamespace
@@ -340,6 +341,67 @@ def test_writer_releases_a_job_only_once_its_files_are_written(tmp_path):
     assert [tag for tag, _ in released] == [0, 1] and st["counts"]["written"] == 2
     t, _ = read_sample(tmp_path / "k1.rank0.safetensors")
     assert torch.equal(t["hidden_states"].float(), torch.cat([expected_k1, rest]).bfloat16().float())
+
+
+def test_the_writer_says_where_its_file_threads_time_went(tmp_path, monkeypatch):
+    """The status counts each file thread's busy time and its stages (hashing, writing, starting the writeback,
+    encoding, the marker; the reassembly loop apart): the stages add up to no more than the busy time, and a slow
+    checksum shows up as hashing, not as writing (what tells the capture benchmark which stage binds a pass)."""
+    import time as _time
+
+    from eagle3kit import checksum
+    from eagle3kit.capture.assemble import select_rows
+    from eagle3kit.capture.writer import CaptureWriter, Job
+
+    stages = ("io_hash_us", "io_write_us", "io_writeback_us", "io_encode_us", "io_marker_us")
+
+    def run(folder):
+        w = CaptureWriter(folder, 0, {"layer_ids": [1, 2]}, io_threads=1)
+        for i in range(4):
+            sel = select_rows([make_rid(f"k{i}", 256)], [256], [0])
+            w.submit(Job(sel, {"hidden_states": torch.randn(256, 3, 576).bfloat16(), "token_ids": torch.arange(256)}))
+        st = w.flush()
+        w.close()
+        return st["counts"]
+
+    c = run(tmp_path / "a")
+    assert c["written"] == 4 and c["io_busy_us"] > 0 and c["io_write_us"] > 0 and "reassembly_us" in c
+    assert sum(c.get(k, 0) for k in stages) <= c["io_busy_us"]
+
+    real = checksum.new
+
+    class Slow:  # a checksum that takes 20 ms a buffer
+        def __init__(self, algorithm=checksum.DEFAULT):
+            self.h = real(algorithm)
+
+        def update(self, b):
+            _time.sleep(0.02)
+            self.h.update(b)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(checksum, "new", Slow)
+    s = run(tmp_path / "b")
+    assert s["io_hash_us"] >= 4 * 2 * 20_000  # 4 files, 2 tensor buffers each (the header is hashed before the clock)
+    assert s["io_hash_us"] > s["io_write_us"] and s["io_hash_us"] > 0.5 * s["io_busy_us"]
+    assert s["io_write_us"] < 4 * 2 * 20_000  # the sleep was not counted as writing
+
+
+def test_stage_shares_are_taken_between_two_snapshots_of_the_counts():
+    """capture.writer.stage_shares: the file threads' busy share is over all of them, each stage's share is of that
+    busy time, the loop's and the waits' are of the wall time; only what happened between the snapshots counts."""
+    from eagle3kit.capture.writer import stage_shares
+
+    before = {"io_busy_us": 5_000_000, "io_hash_us": 1_000_000, "backpressure_us": 7_000_000}
+    after = {"io_busy_us": 13_000_000, "io_hash_us": 3_000_000, "io_write_us": 6_000_000, "reassembly_us": 500_000,
+             "backpressure_us": 8_000_000}
+    s = stage_shares(before, after, seconds=2.0, io_threads=4)
+    assert s["io_busy"] == pytest.approx(1.0)  # 8 s busy over 4 threads x 2 s: they bind
+    assert s["io_hash"] == pytest.approx(0.25) and s["io_write"] == pytest.approx(0.75) and s["io_writeback"] == 0
+    assert s["reassembly"] == pytest.approx(0.25) and s["backpressure"] == pytest.approx(0.5)
+    assert s["d2h_wait"] == 0
+    assert stage_shares({}, {}, 1.0, 4)["io_busy"] == 0 and math.isnan(stage_shares({}, {}, 1.0, 4)["io_hash"])
 
 
 def test_capture_layout_under_dp_attention():

@@ -60,6 +60,7 @@ def test_writer_process_writes_through_a_small_ring_with_back_pressure(tmp_path)
     st = w.flush()
     assert st["counts"]["written"] == 40 and st["counts"]["backpressure_waits"] >= 1
     assert st["counts"]["backpressure_us"] > 0
+    assert st["counts"]["io_busy_us"] > 0 and st["counts"]["io_write_us"] > 0  # the writer process's stage times
     for k, (ids, hs) in sent.items():
         t, _ = read_sample(tmp_path / f"{k}.rank0.safetensors")
         assert torch.equal(t["token_ids"], ids) and torch.equal(t["hidden_states"], hs)

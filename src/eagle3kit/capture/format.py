@@ -126,9 +126,11 @@ def _string_metadata(metadata: dict) -> dict:
 
 
 def write_safetensors(path: Path, tensors: dict, metadata: dict,
-                      checksum: str = _checksum.DEFAULT) -> tuple[int, str]:
+                      checksum: str = _checksum.DEFAULT, timing: dict | None = None) -> tuple[int, str]:
     """Write a safetensors file (atomically) straight from the tensors' buffers; returns (bytes, its checksum as
-    ``"<algorithm>:<hex>"``, ``eagle3kit.checksum``).
+    ``"<algorithm>:<hex>"``, ``eagle3kit.checksum``). ``timing`` (a Counter) gets the microseconds spent hashing
+    (``io_hash_us``), starting the writeback (``io_writeback_us``) and the rest (``io_write_us``: open, write,
+    rename): what the writer's status reports, to tell which of them binds a capture pass.
 
     The hot path of the capture: a header, then each tensor's memory handed to ``write`` and the hasher as a
     buffer, so no serialized copy is made and the GIL is released during both (the writer threads live inside
@@ -149,6 +151,8 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict,
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
     head = struct.pack("<Q", len(h)) + h
+    clock = time.perf_counter_ns
+    t_start, t_hash = clock(), 0
     hasher = _checksum.new(checksum)
     hasher.update(head)
     tmp = _tmp_name(path)
@@ -157,14 +161,24 @@ def write_safetensors(path: Path, tensors: dict, metadata: dict,
             f.write(head)
             for b in bufs:
                 f.write(b)
+                t = clock()
                 hasher.update(b)
+                t_hash += clock() - t
             f.flush()
+            t = clock()
             start_writeback(f.fileno())
+            t_wb = clock() - t
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return len(head) + off, _checksum.field(checksum, hasher.hexdigest())["checksum"]
+    digest = hasher.hexdigest()
+    if timing is not None:
+        t_all = clock() - t_start
+        timing["io_hash_us"] += t_hash // 1000
+        timing["io_writeback_us"] += t_wb // 1000
+        timing["io_write_us"] += (t_all - t_hash - t_wb) // 1000
+    return len(head) + off, _checksum.field(checksum, digest)["checksum"]
 
 
 def _sync_file_range():
@@ -257,19 +271,27 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def write_sample(out_dir: Path, key: str, rank: int, tensors: dict, metadata: dict, storage: str = "bf16",
-                 extra_marker: dict | None = None, checksum: str = _checksum.DEFAULT) -> dict:
-    """Encode, write ``<key>.rank<r>.safetensors`` then its marker; returns the marker."""
+                 extra_marker: dict | None = None, checksum: str = _checksum.DEFAULT,
+                 timing: dict | None = None) -> dict:
+    """Encode, write ``<key>.rank<r>.safetensors`` then its marker; returns the marker. ``timing``: as
+    ``write_safetensors``'s, and ``io_encode_us`` (the storage's encoding here) and ``io_marker_us``."""
+    t = time.perf_counter_ns()
     stored = encode(tensors, storage)
+    t_encode = time.perf_counter_ns() - t
     name = sample_name(key, rank)
     nbytes, digest = write_safetensors(Path(out_dir) / f"{name}.safetensors", stored, {**metadata, "storage": storage},
-                                       checksum)
+                                       checksum, timing)
     hs = stored.get("hidden_states", stored.get("hidden_states_fp8"))
     n_states = int(hs.shape[1]) + ("hidden_states_final" in stored)  # fp8: the last slot is stored apart
     marker = {"status": "ok", "key": key, "rank": rank, "file": f"{name}.safetensors", "bytes": nbytes,
               "checksum": digest, "n_tokens": int(hs.shape[0]),
               "n_states": n_states, "hidden_size": int(hs.shape[2]), "storage": storage,
               "time": time.time(), **(extra_marker or {})}
+    t = time.perf_counter_ns()
     write_marker(out_dir, key, rank, marker)
+    if timing is not None:
+        timing["io_encode_us"] += t_encode // 1000
+        timing["io_marker_us"] += (time.perf_counter_ns() - t) // 1000
     return marker
 
 

@@ -24,6 +24,25 @@ from eagle3kit.capture.format import atomic_write, status_path, write_marker, wr
 from eagle3kit.checksum import DEFAULT as DEFAULT_CHECKSUM
 
 
+STAGES = ("hash", "write", "writeback", "encode", "marker")  # a file thread's stages (format.write_sample's timing)
+
+
+def stage_shares(before: dict, after: dict, seconds: float, io_threads: int) -> dict:
+    """Where the writer's time went over ``seconds`` of wall time, from two snapshots of its status counts:
+    ``io_busy``: the file threads' busy time over all of them (1.0: every thread busy throughout: they bind);
+    ``io_<stage>``: each stage's part of that busy time; ``reassembly``: the writer loop's busy time (one thread);
+    ``d2h_wait``: the scheduler-side dispatcher waiting on the device-to-host copies (one thread);
+    ``backpressure``: forwards waiting on a full ring (the scheduler's thread: the writer held the server back)."""
+    d = {k: (after.get(k, 0) - before.get(k, 0)) / 1e6 for k in
+         ("io_busy_us", "reassembly_us", "d2h_wait_us", "backpressure_us", *(f"io_{s}_us" for s in STAGES))}
+    busy = d["io_busy_us"]
+    out = {"io_busy": busy / (seconds * io_threads) if seconds > 0 else float("nan")}
+    out.update({f"io_{s}": d[f"io_{s}_us"] / busy if busy > 0 else float("nan") for s in STAGES})
+    out.update({k[:-3]: d[k] / seconds if seconds > 0 else float("nan")
+                for k in ("reassembly_us", "d2h_wait_us", "backpressure_us")})
+    return out
+
+
 @dataclass
 class Job:
     """One forward's captured rows: tensors hold only the selected rows, in span order."""
@@ -74,11 +93,13 @@ class CaptureWriter:
             if job is None:
                 break
             writes = [1]  # this loop's own hold on the job's bytes, released below
+            t = time.perf_counter_ns()
             try:
                 self._handle(job, writes)
             except Exception as e:  # noqa: BLE001 - the server must keep serving
                 self.error("writer", e)
             finally:
+                self.note("reassembly_us", (time.perf_counter_ns() - t) // 1000)
                 self._release(job, writes)
                 self._q.task_done()
             self._status()
@@ -118,9 +139,10 @@ class CaptureWriter:
                         on_done=lambda: self._release(job, writes))
 
     def _write(self, key, rid, chunks, tensors):
+        timing: Counter = Counter()
         try:
             write_sample(self.out_dir, key, self.rank, tensors, self.metadata, self.storage,
-                         extra_marker={"rid": rid, "chunks": chunks}, checksum=self.checksum)
+                         extra_marker={"rid": rid, "chunks": chunks}, checksum=self.checksum, timing=timing)
         except OSError as e:  # a full disk, say: the client hears it from the marker now, not after its timeout
             self.note("write_failed")
             try:  # the sample's partial file is gone already (write_safetensors), so a small marker usually fits
@@ -131,15 +153,19 @@ class CaptureWriter:
             except OSError:
                 pass  # nothing fits: the client reads the writer's status and the free space instead
             raise  # counted as an error, and last_error in the status names it
-        self.note("written")
+        with self._cv:
+            self.counts.update(timing)
+            self.counts["written"] += 1
 
     def _submit_io(self, fn, *args, on_done=None):
         def run():
+            t = time.perf_counter_ns()
             try:
                 fn(*args)
             except Exception as e:  # noqa: BLE001
                 self.error("io", e)
             finally:
+                self.note("io_busy_us", (time.perf_counter_ns() - t) // 1000)
                 if on_done is not None:
                     on_done()
                 with self._cv:

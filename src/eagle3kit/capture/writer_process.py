@@ -199,7 +199,9 @@ class WriterProcess:
             self._sent_counts = parent
             try:
                 if event is not None:
+                    t = time.perf_counter_ns()
                     event.synchronize()  # the copies into the ring are complete
+                    self.counts["d2h_wait_us"] += (time.perf_counter_ns() - t) // 1000
             except Exception as e:  # noqa: BLE001 - a failed copy loses this forward, not the server
                 self.error("device-to-host copy", e)
                 with self._lock:
