@@ -163,6 +163,13 @@
 # 100 forwards plus disk_write.py --gb 4: 88 s of command, 117 s held. 8 file threads gave nothing, xxh3 1.03x.
 # Next: E3K_CHAIN="bench:900" with E3K_BENCH_STORAGES="graph graphsha graphfp8" E3K_BENCH_ROUNDS=4 (xxh3 against sha256
 # inside SGLang's capture pass, where the file threads bound bf16), records off for the stage's calls.
+# The thirty-fourth session (2026-12-06, gpu-benchmark-xxh3-shares): three "no machine" answers (~90 s each) before an
+# H100 came; the stage in 5 parts of 59 MiB (~4 s a call, records off), install and setup in the last part's call, then
+# E3K_CHAIN="bench:1000" with E3K_BENCH_STORAGES="graph graphsha graphfp8" E3K_BENCH_ROUNDS=4 E3K_BENCH_SAMPLES=1200
+# E3K_WB_AB=0: complete in 617 s (five servers, 4 rounds, disk pass, writer --kimi bf16 and fp8), 663 s of the budget
+# left; looking at the results for ~40 s lost the machine (a new one needs the install again).
+# Next: the GPU tests at this tree (tests/test_gpu.py and test_fp8_packed.py, ~5 min) in the same call as the chain's
+# end, and the same bench on an H200 for the second host.
 # Never stop a phase's `timeout` with SIGSTOP to give it more time: on SIGCONT its pending alarm still interrupts the
 # phase (2026-12-01: 03's checks after the capture).
 # To stop a chain by hand, kill its phases by the E3K_PHASE in their environment (as kill_servers_of does) and the chain
