@@ -84,18 +84,32 @@ def _derive(a):
 def _train(a):
     from eagle3kit.drafter.train import TrainConfig, train
 
-    overrides = {}
-    for item in a.set:
-        import yaml
-
-        if "=" not in item:
-            raise ValueError(f"--set {item!r}: write KEY=VALUE (e.g. --set ttt_steps=7)")
-        k, v = item.split("=", 1)
-        overrides[k] = yaml.safe_load(v)
+    overrides = _key_values(a.set, "--set", "ttt_steps=7")
+    live = _key_values(a.live_set, "--live-set", "stream_gb=4")
+    for k, v in (("engine", a.engine), ("urls", a.urls), ("server_args", a.server_args)):
+        if v is not None:
+            live[k] = v
+    if live and not a.live:
+        raise ValueError(f"{', '.join(sorted(live))}: live settings; add --live to train from live captures")
+    if a.live:
+        overrides["live"] = {**(overrides.get("live") or {}), **live}
     cfg = TrainConfig.from_dict({"data": a.data, "out_dir": a.out, **overrides})
     summary = train(cfg)
     print(json.dumps(summary, indent=1, sort_keys=True))
     return 0 if summary.get("train_steps", 0) > 0 else 1
+
+
+def _key_values(items, flag: str, example: str) -> dict:
+    """``KEY=VALUE`` items, each value read as YAML (numbers, booleans, lists)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"{flag} {item!r}: write KEY=VALUE (e.g. {flag} {example})")
+        k, v = item.split("=", 1)
+        out[k] = yaml.safe_load(v)
+    return out
 
 
 def _compare(a):
@@ -237,11 +251,22 @@ def main(argv=None) -> int:
     g.add_argument("--storage", choices=["bf16", "fp8"], default=None)
     g.add_argument("--final-slot", choices=["post_norm"], default=None)
 
-    t = sub.add_parser("train", help="train an EAGLE-3 drafter on an extracted data set (torchrun for several ranks)")
-    t.add_argument("--data", required=True, help="eagle3kit data set (or speculators export)")
+    t = sub.add_parser("train", help="train an EAGLE-3 drafter on an extracted data set, or live from captures "
+                                     "(--live) (torchrun for several ranks)")
+    t.add_argument("--data", required=True, help="eagle3kit data set (or speculators export); with --live, the "
+                                                 "conversations (as extract's --data)")
     t.add_argument("--out", required=True)
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any TrainConfig setting, e.g. --set ttt_steps=7 --set loss=kl --set lm_head=frozen")
+    t.add_argument("--live", action="store_true", help="capture while training: no hidden state on disk "
+                                                       "(eagle3kit.live)")
+    t.add_argument("--engine", choices=["transformers", "sglang"], default=None, help="--live: the capture engine")
+    t.add_argument("--urls", nargs="*", default=None, help="--live, sglang: running capture servers (their capture "
+                                                           "folder: --live-set stream_dir=...)")
+    t.add_argument("--live-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any live setting (LiveConfig), e.g. --live-set stream_gb=4 --live-set max_samples=5000")
+    t.add_argument("--server-args", nargs=argparse.REMAINDER, default=None,
+                   help="--live, sglang: flags of the capture server started here; last on the line")
 
     c = sub.add_parser("compare", help="accept-length and speedup table and plots of several runs' metrics.json")
     c.add_argument("runs", nargs="+", help="run folders or metrics.json files (searched recursively)")

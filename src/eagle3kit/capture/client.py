@@ -3,6 +3,7 @@ many requests in flight, and knows a capture is finished when its marker file ap
 from __future__ import annotations
 
 import errno
+import itertools
 import shutil
 import threading
 import time
@@ -103,7 +104,20 @@ class CaptureClient:
     def capture_many(self, items, concurrency: int = 64, max_new_tokens: int = 0, on_done=None,
                      poll: float = 0.002) -> list[dict]:
         """``items``: (key, input_ids) pairs. Markers in completion order; ``on_done(key, marker)`` per item, called
-        from this thread.
+        from this thread. ``capture_stream`` over the items, taken as fast as slots free up."""
+        it = iter(items)
+
+        def take(n):
+            got = list(itertools.islice(it, n))
+            return got or None
+        return self.capture_stream(take, concurrency, max_new_tokens, on_done, poll)
+
+    def capture_stream(self, take, concurrency: int = 64, max_new_tokens: int = 0, on_done=None,
+                       poll: float = 0.002) -> list[dict]:
+        """Captures of what ``take(n)`` hands out: up to ``n`` (key, input_ids) pairs to send now, ``[]`` for none
+        yet (asked again next poll: a caller that bounds its memory, the live stream), ``None`` once there are no
+        more. A key may come back after its marker was handed to ``on_done`` (captured again). Markers in
+        completion order; ``on_done(key, marker)`` per capture, called from this thread.
 
         ``concurrency`` requests stay in flight at the server: a request's slot is freed as soon as SGLang answers
         (the writer's latency never starves the server; its memory is bounded on the server side, by the capture
@@ -131,22 +145,31 @@ class CaptureClient:
                 answered[key] = (time.time(), answer)
 
         def finish(key, marker):
+            inflight.discard(key)
             results.append(marker)
             if on_done:
                 on_done(key, marker)
 
         write_failed_before = _write_failures(self.status())
+        inflight: set[str] = set()
         with ThreadPoolExecutor(concurrency, thread_name_prefix="e3k-post") as posts:
-            keys = set()
-            for key, ids in items:
-                self.clear(key)  # here, not in the request threads: a slot only ever waits on the server
-                keys.add(key)
-                posts.submit(post, key, ids)
+            more = True
             try:
                 checked = time.time()
-                while len(results) < len(keys):
+                while True:
+                    if more and len(inflight) < concurrency:
+                        got = take(concurrency - len(inflight))
+                        if got is None:
+                            more = False
+                        for key, ids in got or ():
+                            self.clear(key)  # here, not in the request threads: a slot only ever waits on the server
+                            journal.pop(key, None)  # a marker of an earlier capture of the key is not this one's
+                            inflight.add(key)
+                            posts.submit(post, key, ids)
+                    if not more and not inflight:
+                        break
                     for m in tail.read():
-                        if m.get("key") in keys:
+                        if m.get("key") in inflight:
                             journal[m["key"]] = m
                     with lock:
                         failed, failures[:] = failures[:], []

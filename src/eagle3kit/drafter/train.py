@@ -45,7 +45,8 @@ class TrainError(ValueError):
 
 def _fits(value, annotation: str) -> bool:
     """Does ``value`` (as YAML or JSON gave it) fit a TrainConfig field annotated ``annotation``? (ints fit floats)"""
-    kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list[int]": (list,)}
+    kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list[int]": (list,),
+             "dict": (dict,)}
     for part in str(annotation).split("|"):
         part = part.strip()
         if part == "None" and value is None:
@@ -98,6 +99,8 @@ class TrainConfig:
     max_minutes: float = 0.0  # wall-clock budget of this invocation; 0: none (stops after an evaluation and a save)
     fit_schedule: bool = False  # with max_minutes: after FIT_AFTER steps, cut the planned steps to what fits in the
     # budget (measured pace, evaluations included) so warmup + cosine end in time instead of stopping at a high lr
+    live: dict | None = None  # live training (``live.config.LiveConfig``): ``data`` names conversations, captured
+    # while training through the stream; None: ``data`` is a captured data set on disk
 
     def validate(self) -> "TrainConfig":
         def need(ok, what):
@@ -124,6 +127,13 @@ class TrainConfig:
         need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}: give the gradient norm to clip to, or 0 for none")
         need(self.save_every >= 1 and self.eval_every >= 0, "save_every >= 1 (optimizer steps between resume points), "
              "eval_every >= 0")
+        if self.live is not None:
+            from eagle3kit.live.config import LiveConfig, LiveError
+
+            try:
+                LiveConfig.from_dict(self.live)
+            except LiveError as e:
+                raise TrainError(str(e)) from None
         return self
 
     @property
@@ -278,7 +288,8 @@ def _heldout_source(path):
     return src
 
 
-def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
+def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitStack | None = None) -> Run:
+    """``closing``: where a live stream's close is registered (its servers stop whatever happens next)."""
     from eagle3kit.drafter.model import TargetHead, build
     from eagle3kit.target import TargetInfo
 
@@ -286,11 +297,20 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     dist = dist or Dist.from_env()
     device = _device(cfg, dist)
     no_cudnn_sdpa(device)
-    train_src = D.open_source(cfg.data, "train")
-    if len(train_src) == 0:
-        raise TrainError(f"{cfg.data}: no training samples (split 'train' is empty). Fix: extract more samples")
-    heldout_src = _heldout_source(cfg.heldout) if cfg.heldout else \
-        (D.CaptureSource(cfg.data, "heldout") if isinstance(train_src, D.CaptureSource) else None)
+    live_extra = {}
+    if cfg.live is not None:  # samples captured while training, through the stream (``eagle3kit.live``)
+        from eagle3kit.live.session import open_live
+
+        train_src, live_heldout, live_extra = open_live(cfg, dist, Path(cfg.out_dir))
+        if closing is not None:
+            closing.callback(train_src.close)
+        heldout_src = _heldout_source(cfg.heldout) if cfg.heldout else live_heldout
+    else:
+        train_src = D.open_source(cfg.data, "train")
+        if len(train_src) == 0:
+            raise TrainError(f"{cfg.data}: no training samples (split 'train' is empty). Fix: extract more samples")
+        heldout_src = _heldout_source(cfg.heldout) if cfg.heldout else \
+            (D.CaptureSource(cfg.data, "heldout") if isinstance(train_src, D.CaptureSource) else None)
     if heldout_src is not None and len(heldout_src) == 0:
         heldout_src = None
     info = train_src.info()
@@ -303,7 +323,9 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     info.n_states = len(aux) + 1
     info.hidden_size = tinfo.hidden_size
     head = TargetHead.from_target(target)
-    head.final_normed = _check_final_slot(cfg, train_src, head)
+    # a live source's samples exist only once scheduled: its held-out set (the same captures) is probed instead
+    head.final_normed = _check_final_slot(cfg, heldout_src if live_extra and heldout_src is not None else train_src,
+                                          head)
     out = Path(cfg.out_dir)
     vocab_file = out / "vocab.pt"
     if vocab_file.exists():
@@ -332,7 +354,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     return Run(cfg, dist, device, train_src, heldout_src, info, target, vocab, freq, model, head,
                vocab.target_to_draft().to(device), vocab.ids.to(device), int(torch.argmax(freq)),
                extra={"aux_layer_ids": aux, "num_layers": tinfo.num_layers, "model_type": tinfo.model_type,
-                      "attention": attention, "compiled": bool(compiled)})
+                      "attention": attention, "compiled": bool(compiled), "live": live_extra})
 
 
 def _probe_flex(cfg: TrainConfig, model, device, aux_width: int) -> str:
@@ -582,8 +604,8 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
             if nccl:  # this rank's own GPU before anything touches CUDA (else every rank opens a context on GPU 0)
                 torch.cuda.set_device(_device(cfg, dist))
             tdist.init_process_group("nccl" if nccl else "gloo")
-    with _exclusive_out_dir(out, dist):
-        return _train(cfg, dist, out, t_call, spent)
+    with _exclusive_out_dir(out, dist), contextlib.ExitStack() as closing:
+        return _train(cfg, dist, out, t_call, spent, closing)
 
 
 @contextlib.contextmanager
@@ -617,13 +639,15 @@ def _dist_device(dist: Dist) -> torch.device:
     return torch.device("cuda", dist.local_rank) if tdist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) -> dict:
+def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
+           closing: contextlib.ExitStack) -> dict:
     from eagle3kit.drafter.model import trainable_state
     from eagle3kit.drafter.ttt import TTTModule
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    run = setup(cfg, dist)
+    run = setup(cfg, dist, closing)
+    live = getattr(run.train_src, "stream", None)  # the live stream's producer (closed by ``closing``)
     if dist.rank == 0 and not (out / "train.json").exists():  # a resume found the same settings there
         out.mkdir(parents=True, exist_ok=True)
         (out / "train.json").write_text(json.dumps(_settings(cfg), indent=1, sort_keys=True))
@@ -717,6 +741,9 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
     while state["step"] < total_steps and not state.get("stopped_early"):
         epoch, in_epoch = divmod(state["step"], steps_per_epoch)
         batches = D.epoch_plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch, steps_per_epoch * per_step)
+        if live is not None:  # what this rank reads this epoch, in order: the stream captures it ahead
+            run.train_src.schedule(epoch, [i for j in range(in_epoch * per_step, len(batches))
+                                           if j % dist.world == dist.rank for i in batches[j]])
         it = iter(D.loader(run.train_src, batches, run.info.n_states, run.info.hidden_size, cfg.tokens_per_batch,
                            start=in_epoch * per_step, rank=dist.rank, world=dist.world, workers=cfg.workers,
                            pin=run.device.type == "cuda", rows=cfg.rows_per_batch))
@@ -762,6 +789,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
             state["tokens"] += rows
             state["train_seconds"] += dt
             state["data_wait_seconds"] = state.get("data_wait_seconds", 0.0) + waited
+            state["waited_steps"] = state.get("waited_steps", 0) + (waited > WAITED_S)
             m = ChainCounts.from_tensor(cfg.ttt_steps, counts.cpu()).metrics()
             row = {"step": state["step"], "epoch": epoch, "lr": lr, "grad_norm": float(gnorm),
                    "tokens_per_s": rows / dt if dt else 0.0, "seconds": dt, "data_wait_s": waited,
@@ -769,7 +797,8 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
             log("train_log.jsonl", row)
             if bar is not None:
                 bar.set_postfix(loss=f"{m.get('loss_pos0', 0):.3f}", acc0=f"{m['acc_pos0']:.3f}",
-                                tok_s=f"{state['tokens'] / max(state['train_seconds'], 1e-9):,.0f}", refresh=False)
+                                tok_s=f"{state['tokens'] / max(state['train_seconds'], 1e-9):,.0f}",
+                                **_stream_postfix(live, state), refresh=False)
                 bar.update(1)
             if state["step"] == fit_from:
                 t_fit = time.time()
@@ -825,12 +854,35 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
         export(run, out / "final", extra={"step": state["step"]})
         spent["export"] += time.time() - t0
     summary = _summary(run, state, lengths)
+    if live is not None:
+        summary.update(_live_summary(run, state, out, live.close(state["step"] % steps_per_epoch == 0)))
     # this invocation's wall time, and what took it besides the optimizer steps (train_seconds, all invocations)
     summary.update(train_wall_seconds=time.time() - t_call, train_setup_seconds=setup_seconds,
                    **{f"train_{k}_seconds": v for k, v in spent.items()})
     if dist.rank == 0:
         (out / "metrics.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
     return summary
+
+
+WAITED_S = 0.005  # a step whose loader wait exceeded this waited on its data (the live stream's wait share)
+
+
+def _stream_postfix(live, state: dict) -> dict:
+    """The progress line's stream fields: samples in flight at the servers, buffered for the trainer, and the share
+    of steps that waited on data."""
+    if live is None:
+        return {}
+    p = live.progress()
+    return {"inflight": p["in_flight"], "buffered": p["buffered"],
+            "wait": f"{state.get('waited_steps', 0) / max(state['step'], 1):.0%}"}
+
+
+def _live_summary(run: Run, state: dict, out: Path, stream: dict) -> dict:
+    from eagle3kit.live.session import disk_bytes_of_states
+
+    return {**run.extra.get("live", {}), **stream,
+            "live_wait_share": state.get("waited_steps", 0) / max(state["step"], 1),
+            "live_hidden_state_bytes_on_disk": disk_bytes_of_states(out)}
 
 
 def _empty_batch(run: Run) -> dict:
