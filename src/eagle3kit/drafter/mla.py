@@ -339,7 +339,7 @@ def config_of_export(cfg: dict, attn_implementation: str = "sdpa", aux_layer_ids
                                 "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_interleave")
             if k in cfg}
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)}
-    ids = aux_layer_ids if aux_layer_ids is not None else cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    ids = aux_layer_ids or cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     return MLAConfig(**keys, eagle_aux_hidden_state_layer_ids=list(ids), rope_parameters=rope,
                      target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
                      fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")),
