@@ -348,3 +348,41 @@ def config_of_export(cfg: dict, attn_implementation: str = "sdpa", aux_layer_ids
 
 def read_config(path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
+
+
+# Kimi-K2.5's language model (its config.json ``text_config``, the DeepSeek-V3 layout): the geometry the draft KV
+# comparison is priced at
+KIMI_K25_TEXT = {"hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536,
+                 "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                 "intermediate_size": 18432, "vocab_size": 163840}
+
+
+def draft_kv_bytes_per_token(config: dict, dtype_bytes: int = 2) -> int:
+    """Bytes of draft KV cache one token takes in SGLang 0.5.14, from a draft's config.json: an MLA draft
+    (``kv_lora_rank`` set: model_config.py:744 marks Eagle3DeepseekV2ForCausalLM MLA) holds one latent of
+    kv_lora_rank + qk_rope_head_dim per layer (MLATokenToKVPool, memory_pool.py:2138-2142); a Llama draft K and V of
+    num_key_value_heads x head_dim each (MHATokenToKVPool)."""
+    layers = int(config.get("num_hidden_layers") or 1)
+    if config.get("kv_lora_rank"):
+        return layers * (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])) * dtype_bytes
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    return layers * 2 * kv_heads * head_dim * dtype_bytes
+
+
+# SGLang's log line that confirms a pool's size on the GPU (memory_pool.py:1023 / 1029, one per pool: the target's,
+# then the draft's): "KV Cache is allocated. dtype: ..., #tokens: N, KV size: G GB" (MLA) or "K size: .., V size: .."
+KV_LOG_PATTERN = r"KV Cache is allocated\. dtype: (\S+), #tokens: (\d+), (?:KV size: ([\d.]+) GB|K size: ([\d.]+) GB, V size: ([\d.]+) GB)"
+
+
+def kv_log_bytes_per_token(log_text: str) -> list[float]:
+    """Bytes per token of every KV pool SGLang logged (in order: the target's, then the draft's), from its GB
+    figures (2-digit rounding: use a pool of at least ~10 GB for a 1 % reading)."""
+    import re
+
+    out = []
+    for m in re.finditer(KV_LOG_PATTERN, log_text):
+        gb = float(m.group(3)) if m.group(3) else float(m.group(4)) + float(m.group(5))
+        out.append(gb * (1 << 30) / int(m.group(2)))
+    return out
