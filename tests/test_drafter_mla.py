@@ -317,3 +317,23 @@ def test_draft_kv_bytes_at_kimi_k25_geometry():
            "KV Cache is allocated. dtype: torch.bfloat16, #tokens: 10000, K size: 0.13 GB, V size: 0.13 GB")
     got = mla.kv_log_bytes_per_token(log)
     assert got[0] == pytest.approx(1152, rel=0.01) and got[1] == pytest.approx(27917, rel=0.01)
+
+
+def test_load_proof_reads_the_mla_parameters_sglang_holds(deepseek_export):
+    """proof.compare_params on parameters named and fused as SGLang's Eagle3MLAModel holds them (what drafthook saves):
+    none unloaded; one corrupted tensor is counted."""
+    from safetensors.torch import load_file
+    from speculators.utils.loading import load_model_layers
+
+    from eagle3kit.acceptance import proof
+
+    _, dest, target = deepseek_export
+    t = load_file(str(dest / "model.safetensors"))
+    held = {k: v for k, v in proof.expected_params(dest).items()}
+    assert {("model." + k if k != "lm_head.weight" else k) for k in held} == sglang_params(3, True) - {
+        "model.embed_tokens.weight"}
+    held["embed_tokens.weight"] = load_model_layers(["embed_tokens.weight"], str(target))["embed_tokens.weight"]
+    assert proof.compare_params(held, dest, target)["export_params_unloaded"] == 0
+    held["midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight"] = torch.cat(
+        [t["layers.0.self_attn.kv_a_proj_with_mqa.weight"], t["layers.0.self_attn.q_a_proj.weight"]])  # wrong order
+    assert proof.compare_params(held, dest, target)["export_params_unloaded"] == 1
