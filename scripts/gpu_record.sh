@@ -5,6 +5,7 @@
 #   tp: the TP-replication check under SGLang --tp 2 (params/gpu-smollm2-tp2.yaml; needs 2 GPUs)
 #   deepseek, kimi: the notebooks of params/gpu-{deepseek,kimi}-tiny.yaml on the tiny DeepSeek-V3 / Kimi-K2.5 target
 #     (their own ports: a chain may run them at once); family: both, in turn
+#   mla: the MLA drafter (#46) on both tiny targets, plain and EAGLE-3.1 (04 drafter=mla, 05's load proof)
 #   dp: extraction with regeneration on one server with --dp 2 (params/gpu-smollm2-dp2.yaml; needs 2 GPUs)
 #   familytp: the tiny family at TP 2, under --ep-size 2 and under DP attention (needs 2 GPUs; see the phase)
 #   ddp: the drafter trained by 2 ranks and by 1 with the same global batch (needs 2 GPUs and the data phase's data)
@@ -168,6 +169,20 @@ for what in ${phases//,/ }; do
         # E3K_FAMILY_ARGS: more runner arguments, e.g. "--only 00_target 03_extract 04_train 05_acceptance"
         $stop python3 -m eagle3kit.cli run params/gpu-$what-tiny.yaml --run-dir "$rec/$what" ${E3K_FAMILY_ARGS:-} "${@:2}" 2>&1 | tee "$rec/$what.log"
         rc=${PIPESTATUS[0]} ;;
+    mla)  # #46: the MLA head (Eagle3DeepseekV2ForCausalLM) on both tiny targets, plain EAGLE-3 and EAGLE-3.1: 00-05 once
+        # per target with drafter=mla, then 04-05 again with eagle31=true on the same data; 05's proof server
+        # records what SGLang loaded and computed (export_params_unloaded, mla_logits_*, fed layers, doctor on the
+        # off-by-one control); kv-pools.txt: SGLang's "KV Cache is allocated" lines (target pool, then draft pool)
+        rc=0
+        for t in ${E3K_FAMILY:-deepseek kimi}; do
+          $stop python3 -m eagle3kit.cli run params/gpu-$t-tiny.yaml --run-dir "$rec/$t-mla" \
+            --set 04_train.drafter=mla "${@:2}" > "$rec/$t-mla.log" 2>&1 || rc=1
+          $stop python3 -m eagle3kit.cli run params/gpu-$t-tiny.yaml --run-dir "$rec/$t-mla31" --only 04_train 05_acceptance \
+            --set 04_train.drafter=mla --set 04_train.eagle31=true --set 04_train.data="$rec/$t-mla/03_extract/data" \
+            --set 05_acceptance.data="$rec/$t-mla/03_extract/data" "${@:2}" > "$rec/$t-mla31.log" 2>&1 || rc=1
+        done
+        grep -rh --include='*.log' --include='*.txt' "KV Cache is allocated" "$rec" > "$rec/kv-pools.txt" 2>/dev/null
+        find "$rec" -name '*.safetensors' -path '*03_extract/data*' -delete ;;
     familytp)  # #14 on two GPUs (nvidia-h200-x2): per tiny target, 01 at TP 2 (replication per layer slot, MoE
         # layers included), then 02 and 03 under --tp 2, under expert parallelism (--ep-size 2) and under DP attention
         # (one GPU per attention-DP group), each in its own run folder; E3K_FAMILY picks the targets

@@ -42,6 +42,9 @@ def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
                                   "for SGLang: `eagle3kit export sglang` (its ids are converted for the target)"))
         return d
     d = check(capture, cfg, info.model_type, info.num_layers, final_is_pre_norm=bool(exact))
+    d.findings.extend(check_options(cfg, meta))
+    if (cfg.get("architectures") or [""])[0] == MLA_ARCH:
+        d.findings.extend(check_mla(drafter_dir, cfg))
     if data:
         d.findings.extend(check_data(data, target, probe).findings)
     return d
@@ -121,3 +124,102 @@ def check_data(data, target, probe: int = 4) -> Diagnosis:
         d.findings.append(Finding("ok", f"{data}: the final slot is the pre-norm state ({share:.0%} of probed tokens "
                                   f"look normed)"))
     return d
+
+
+MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
+
+
+def mla_expected_tensors(config: dict) -> dict:
+    """{name: (shape, dtype)} of every tensor an MLA export holds, as SGLang 0.5.14's Eagle3DeepseekV2ForCausalLM
+    builds and loads them from ``config`` (kimi_k25_eagle3.py:116-122, 143-147, 199-240, 344-349, 413-505;
+    deepseek_v2.py:1544-1631): ``q_a_proj`` and ``kv_a_proj_with_mqa`` rows fill the fused [q_lora + kv_lora + rope,
+    2H] projection, ``kv_b_proj`` is split into w_kc / w_vc after loading, ``d2t`` gives the hot token ids. No
+    ``embed_tokens``: SGLang takes the target's (set_embed)."""
+    h, th = config["hidden_size"], config.get("target_hidden_size") or config["hidden_size"]
+    nh, nope, rope = config["num_attention_heads"], config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    qr, kr, vd, inter = config["q_lora_rank"], config["kv_lora_rank"], config["v_head_dim"], config["intermediate_size"]
+    eagle = config.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids"))
+    n = len(ids) if ids is not None else 3
+    vocab = config.get("draft_vocab_size") or config["vocab_size"]
+    bf = "bfloat16"
+    a = "layers.0.self_attn."
+    out = {"fc.weight": ((h, n * th), bf), "norm.weight": ((h,), bf), "lm_head.weight": ((vocab, h), bf),
+           "d2t": ((vocab,), "int64"),
+           a + "q_a_proj.weight": ((qr, 2 * h), bf), a + "q_a_layernorm.weight": ((qr,), bf),
+           a + "q_b_proj.weight": ((nh * (nope + rope), qr), bf),
+           a + "kv_a_proj_with_mqa.weight": ((kr + rope, 2 * h), bf), a + "kv_a_layernorm.weight": ((kr,), bf),
+           a + "kv_b_proj.weight": ((nh * (nope + vd), kr), bf), a + "o_proj.weight": ((h, nh * vd), bf),
+           "layers.0.mlp.gate_proj.weight": ((inter, h), bf), "layers.0.mlp.up_proj.weight": ((inter, h), bf),
+           "layers.0.mlp.down_proj.weight": ((h, inter), bf), "layers.0.input_layernorm.weight": ((h,), bf),
+           "layers.0.hidden_norm.weight": ((h,), bf), "layers.0.post_attention_layernorm.weight": ((h,), bf)}
+    if config.get("fc_norm") or config.get("use_aux_norm"):
+        out.update({f"fc_norm.{i}.weight": ((th,), bf) for i in range(n)})
+    return out
+
+
+def check_options(cfg: dict, meta: dict) -> list:
+    """EAGLE-3.1 options in the config against the training's: SGLang reads fc_norm / norm_output from config.json
+    and runs whatever it says (a flipped norm_output feeds the next draft step another state than training did)."""
+    train = meta.get("train") or {}
+    if not train:
+        return []
+    want = {"fc_norm": bool(train.get("fc_norm") or train.get("eagle31")),
+            "norm_output": bool(train.get("norm_output") or train.get("eagle31"))}
+    got = {"fc_norm": bool(cfg.get("fc_norm") or cfg.get("use_aux_norm")), "norm_output": bool(cfg.get("norm_output"))}
+    bad = [k for k in want if want[k] != got[k]]
+    if bad:
+        return [Finding("error", f"config.json says {', '.join(f'{k}={got[k]}' for k in bad)}, the drafter was trained "
+                        f"with {', '.join(f'{k}={want[k]}' for k in bad)}: SGLang runs what config.json says",
+                        f"set {', '.join(f'{k}: {str(want[k]).lower()}' for k in bad)} in config.json")]
+    return [Finding("ok", f"fc_norm={got['fc_norm']}, norm_output={got['norm_output']} as in training")]
+
+
+def check_mla(drafter_dir, cfg: dict) -> list:
+    """An MLA export against what SGLang 0.5.14 builds: the options it would run otherwise (any rope scaling runs as
+    DeepSeek-YaRN, a tied lm_head is the embeddings) and every tensor's name, shape and dtype (a name it does not
+    know is skipped with only a warning; a tensor it lacks stays uninitialised)."""
+    from safetensors import safe_open
+
+    from eagle3kit.drafter.mla import ROPE_TYPES
+
+    out = []
+    missing = [k for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+               if not cfg.get(k)]
+    if missing or cfg.get("num_hidden_layers") != 1:
+        return [Finding("error", f"{drafter_dir}: {MLA_ARCH} needs num_hidden_layers 1 and {missing or 'the MLA keys'}"
+                        f" (SGLang refuses to load it)", "export with `eagle3kit export sglang`")]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rtype = rope.get("rope_type") or rope.get("type") or "default"
+    if rtype not in ROPE_TYPES:
+        out.append(Finding("error", f"rope_type {rtype!r}: SGLang runs any rope scaling of this head as DeepSeek-YaRN",
+                           "train with default or yarn rope"))
+    if cfg.get("tie_word_embeddings"):
+        out.append(Finding("error", "tie_word_embeddings true: SGLang makes the draft's lm_head its (the target's) "
+                           "embeddings", "set tie_word_embeddings: false"))
+    if cfg.get("draft_vocab_size") is None:
+        out.append(Finding("error", "no draft_vocab_size: SGLang loads the draft's lm_head from the target",
+                           "write draft_vocab_size"))
+    try:
+        with safe_open(str(Path(drafter_dir) / "model.safetensors"), framework="pt") as f:
+            have = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - the user's file, named with the fix
+        return out + [Finding("error", f"{drafter_dir}/model.safetensors: unreadable ({type(e).__name__})",
+                              "export again")]
+    want = mla_expected_tensors(cfg)
+    dtype_names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I64": "int64"}
+    lacking = sorted(set(want) - set(have))
+    skipped = sorted(set(have) - set(want) - {"t2d", "embed_tokens.weight"})
+    wrong = sorted(k for k in set(want) & set(have) if have[k][0] != want[k][0]
+                   or dtype_names.get(have[k][1], have[k][1]) != want[k][1])
+    if lacking:
+        out.append(Finding("error", f"SGLang would leave {lacking} uninitialised", "export again"))
+    if skipped:
+        out.append(Finding("error", f"SGLang would skip {skipped} (unknown names: a warning only)",
+                           "export with `eagle3kit export sglang`"))
+    if wrong:
+        out.append(Finding("error", "shape or dtype differ from what SGLang builds: " + ", ".join(
+            f"{k} {have[k]} vs {want[k]}" for k in wrong), "export again from the trained drafter"))
+    if not (lacking or skipped or wrong):
+        out.append(Finding("ok", f"all {len(want)} tensors are the ones {MLA_ARCH} loads (names, shapes, dtypes)"))
+    return out

@@ -487,6 +487,15 @@ def proof_metrics(plan: OnlinePlan, proofs: dict) -> dict:
             m[f"{pre}doctor_ok"] = bool(p["doctor_ok"])
             m[f"{pre}fed_layer_ids"] = ",".join(map(str, p["fed_layer_ids"]))
             m[f"{pre}fed_layer_max_rel_err"] = max(p["fed_layer_rel_err"])
+    try:
+        arch = (json.loads((Path(plan.drafter) / "config.json").read_text()).get("architectures") or [""])[0]
+    except (OSError, ValueError, TypeError):
+        arch = ""
+    m["drafter_architecture"] = arch
+    if arch == "Eagle3DeepseekV2ForCausalLM":  # the MLA head (#46): its logits proof under its own names
+        for k in ("max_rel_err", "all_rows_max_rel_err", "argmax_agreement"):
+            if f"export_logits_{k}" in m:
+                m[f"mla_logits_{k}"] = m[f"export_logits_{k}"]
     info = TargetInfo.read(resolve_target(plan.target))  # model_type: a wrapper's language model's (Kimi: deepseek_v3)
     family = sglang_convention(info.model_type).removeprefix("sglang_")  # the rule SGLang applied: llama or deepseek
     m["doctor_target_model_type"] = info.model_type

@@ -31,6 +31,9 @@ def records(out_dir) -> dict:
 def expected_params(export_dir) -> dict:
     """SGLang's parameter names (relative to the draft's LlamaModel, plus ``lm_head.weight``) -> the exported tensor."""
     t = load_file(str(Path(export_dir) / "model.safetensors"))
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    if (cfg.get("architectures") or [""])[0] == "Eagle3DeepseekV2ForCausalLM":
+        return mla_expected_params(t)
     L = "layers.0."
     exp = {"fc.weight": t["fc.weight"], "norm.weight": t["norm.weight"], "lm_head.weight": t["lm_head.weight"],
            L + "self_attn.qkv_proj.weight": torch.cat([t[L + "self_attn.q_proj.weight"], t[L + "self_attn.k_proj.weight"],
@@ -43,6 +46,24 @@ def expected_params(export_dir) -> dict:
     for k in t:
         if k.startswith("fc_norm."):
             exp[k] = t[k]
+    return exp
+
+
+def mla_expected_params(t: dict) -> dict:
+    """The MLA head's parameters as SGLang holds them, relative to its ``Eagle3MLAModel`` (kimi_k25_eagle3.py:413-486):
+    ``layers.0.`` is ``midlayer.``, q_a_proj and kv_a_proj_with_mqa concatenated into ``fused_qkv_a_proj_with_mqa``,
+    gate/up into ``gate_up_proj``; kv_b_proj stays a parameter (w_kc / w_vc are views split from it after loading)."""
+    L, M, a = "layers.0.", "midlayer.", "self_attn."
+    exp = {k: t[k] for k in ("fc.weight", "norm.weight", "lm_head.weight")}
+    exp[M + a + "fused_qkv_a_proj_with_mqa.weight"] = torch.cat([t[L + a + "q_a_proj.weight"],
+                                                                 t[L + a + "kv_a_proj_with_mqa.weight"]])
+    for n in ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+        exp[f"{M}{a}{n}.weight"] = t[f"{L}{a}{n}.weight"]
+    exp[M + "mlp.gate_up_proj.weight"] = torch.cat([t[L + "mlp.gate_proj.weight"], t[L + "mlp.up_proj.weight"]])
+    exp[M + "mlp.down_proj.weight"] = t[L + "mlp.down_proj.weight"]
+    for n in ("input_layernorm", "post_attention_layernorm", "hidden_norm"):
+        exp[f"{M}{n}.weight"] = t[f"{L}{n}.weight"]
+    exp.update({k: t[k] for k in t if k.startswith("fc_norm.")})
     return exp
 
 
@@ -119,7 +140,7 @@ def fed_layers(aux: torch.Tensor, prompt_ids, target_path, device: str = "cpu") 
 
 def verify_doctor(export_dir, recs: dict, target_path, device: str = "cpu") -> dict:
     """SGLang's fed layers (by value) against the doctor's prediction for this config, and the doctor's verdict."""
-    from eagle3kit.layers import check, sglang_convention, sglang_default_aux, to_input_of_layer
+    from eagle3kit.layers import sglang_convention, sglang_default_aux, to_input_of_layer
     from eagle3kit.target import TargetInfo
 
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
@@ -130,7 +151,10 @@ def verify_doctor(export_dir, recs: dict, target_path, device: str = "cpu") -> d
         to_input_of_layer(ids, sglang_convention(info.model_type), info.num_layers)
     r = next(r for r in recs.values() if "prompt_ids" in r)
     fed = fed_layers(r["aux"], _prompt_from_record(r), target_path, device)
-    diag = check(meta["capture_layer_ids"], cfg, info.model_type, info.num_layers)
+    from eagle3kit.doctor import diagnose
+
+    # the doctor's whole diagnosis: layers, EAGLE-3.1 options against training, the MLA head's tensors
+    diag = diagnose(export_dir, target_path)
     return {**fed, "doctor_predicted_layer_ids": predicted, "doctor_verified": fed["fed_layer_ids"] == predicted,
             "doctor_ok": diag.ok, "doctor_findings": str(diag), "trained_layer_ids": meta["capture_layer_ids"][:-1]}
 

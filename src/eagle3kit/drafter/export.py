@@ -42,10 +42,56 @@ def sglang_names(num_aux: int, fc_norm: bool) -> list[str]:
     return names + ([f"fc_norm.{i}.weight" for i in range(num_aux)] if fc_norm else [])
 
 
-def sglang_config(model, target_path, aux_layer_ids) -> dict:
-    """config.json of the SGLang export."""
+# the MLA head (drafter/mla.py): names Eagle3DeepseekV2ForCausalLM.load_weights maps onto its parameters
+# (kimi_k25_eagle3.py:413-486: layers.0. -> model.midlayer., q_a_proj + kv_a_proj_with_mqa fused on load)
+_MLA_LAYER0 = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+               "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
+               "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+               "input_layernorm.weight", "post_attention_layernorm.weight", "hidden_norm.weight")
+MLA_MODEL_TYPE = "deepseek_v3"  # transformers' DeepseekV3Config parses the draft's config.json inside SGLang
+
+
+def mla_sglang_names(num_aux: int, fc_norm: bool) -> list[str]:
+    """The tensor names Eagle3DeepseekV2ForCausalLM loads for the MLA head (all of them; embeddings: the target's)."""
+    names = ["fc.weight", "norm.weight", "lm_head.weight", "d2t"] + [f"layers.0.{n}" for n in _MLA_LAYER0]
+    return names + ([f"fc_norm.{i}.weight" for i in range(num_aux)] if fc_norm else [])
+
+
+def mla_sglang_config(model, target_path, aux_layer_ids) -> dict:
+    """config.json of the MLA head's SGLang export (kimi_k25_eagle3.py reads these keys; model_config.py:744 marks
+    the architecture MLA, so the draft's KV pool and attention backend are MLA's)."""
     from eagle3kit.target import TargetInfo
 
+    c = model.config
+    info = TargetInfo.read(Path(target_path))
+    sg_ids = from_input_of_layer(aux_layer_ids, sglang_convention(info.model_type), info.num_layers)
+    return {"architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": MLA_MODEL_TYPE, "num_hidden_layers": 1,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_attention_heads,
+            "q_lora_rank": c.q_lora_rank, "kv_lora_rank": c.kv_lora_rank, "qk_nope_head_dim": c.qk_nope_head_dim,
+            "qk_rope_head_dim": c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "hidden_act": c.hidden_act,
+            "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
+            "rope_parameters": dict(c.rope_parameters), "rope_interleave": bool(c.rope_interleave),
+            "target_hidden_size": c.target_hidden_size, "vocab_size": int(info.vocab_size),
+            "draft_vocab_size": int(model.draft_vocab_size), "tie_word_embeddings": False, "bias": False,
+            "torch_dtype": "bfloat16", "fc_norm": bool(c.fc_norm), "norm_output": bool(c.norm_output),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": sg_ids, "use_aux_hidden_state": True}}
+
+
+def export_names(model) -> list[str]:
+    from eagle3kit.drafter.mla import is_mla
+
+    n, fc = len(model.config.eagle_aux_hidden_state_layer_ids), bool(model.config.fc_norm)
+    return mla_sglang_names(n, fc) if is_mla(model) else sglang_names(n, fc)
+
+
+def sglang_config(model, target_path, aux_layer_ids) -> dict:
+    """config.json of the SGLang export."""
+    from eagle3kit.drafter.mla import is_mla
+    from eagle3kit.target import TargetInfo
+
+    if is_mla(model):
+        return mla_sglang_config(model, target_path, aux_layer_ids)
     info = TargetInfo.read(Path(target_path))
     tl = model.config.transformer_layer_config.to_dict()
     cfg = {k: tl[k] for k in _GEOMETRY if tl.get(k) is not None}
@@ -63,12 +109,12 @@ def sglang_config(model, target_path, aux_layer_ids) -> dict:
 
 def sglang_tensors(model) -> dict:
     sd = model.state_dict()
-    names = sglang_names(len(model.config.eagle_aux_hidden_state_layer_ids), bool(model.config.fc_norm))
+    names = export_names(model)
     left = sorted(n for n, p in model.named_parameters() if p.requires_grad and n not in names
                   and not n.startswith("embed_tokens"))  # embeddings: SGLang takes the target's
     if left:  # trained, but not in what SGLang loads: it would run another network, silently
-        raise ExportError(f"the drafter trained {left}, which SGLang 0.5.14's LlamaForCausalLMEagle3 does not load: "
-                          f"it would run without them. Fix: train a Llama-layer draft (drafter.model.layer_config)")
+        raise ExportError(f"the drafter trained {left}, which SGLang 0.5.14's {sglang_config_arch(model)} does not "
+                          f"load: it would run without them. Fix: train the layer SGLang runs (drafter.model / mla)")
     out = {}
     for n in names:
         if n == "d2t":
@@ -77,6 +123,12 @@ def sglang_tensors(model) -> dict:
         else:
             out[n] = sd[n].detach().to(torch.bfloat16)
     return {k: v.contiguous().cpu() for k, v in out.items()}
+
+
+def sglang_config_arch(model) -> str:
+    from eagle3kit.drafter.mla import ARCH, is_mla
+
+    return ARCH if is_mla(model) else "LlamaForCausalLMEagle3"
 
 
 def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict | None = None,
@@ -93,7 +145,10 @@ def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict |
     if model.config.transformer_layer_config.num_hidden_layers != 1:
         raise ExportError("SGLang 0.5.14 runs layers > 0 of a draft with other norms than speculators trains "
                           "(hidden_norm as input norm): export one-layer drafters only")
-    check_servable(model.config)
+    from eagle3kit.drafter.mla import is_mla
+
+    if not is_mla(model):
+        check_servable(model.config)
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
@@ -114,6 +169,11 @@ def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict |
 
 def to_speculators(model, dest, provenance: dict | None = None) -> Path:
     """speculators' own checkpoint (``Eagle3Speculator``: what vLLM loads), via its ``save_pretrained``."""
+    from eagle3kit.drafter.mla import is_mla
+
+    if is_mla(model):
+        raise ExportError("speculators' format holds the Llama head only (speculators 0.9 has no MLA drafter class): "
+                          "an MLA drafter exports to SGLang only. Fix: `eagle3kit export sglang`")
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
@@ -137,14 +197,21 @@ def load_sglang_export(path, target_path=None, attn_implementation: str = "sdpa"
     except Exception as e:  # noqa: BLE001 - a cut or corrupt file: the user's input, named with the fix
         raise ExportError(f"{path / 'model.safetensors'}: not a readable safetensors file ({type(e).__name__}: {e}). "
                           f"Fix: export another checkpoint (--checkpoint final) or train again") from None
-    want = set(sglang_names(len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), bool(cfg.get("fc_norm"))))
+    mla_head = (cfg.get("architectures") or [""])[0] == "Eagle3DeepseekV2ForCausalLM"
+    names = mla_sglang_names if mla_head else sglang_names
+    want = set(names(len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), bool(cfg.get("fc_norm"))))
     missing, extra = sorted(want - set(tensors)), sorted(set(tensors) - want - {"t2d"})
     if missing or extra:
         raise ExportError(f"{path}: SGLang would leave {missing} uninitialised and drop {extra}")
     vocab = DraftVocab.from_d2t(tensors["d2t"], int(cfg["vocab_size"]))
     aux = meta.get("capture_layer_ids", [])[:-1]
-    model = build(target_path, aux, vocab, fc_norm=bool(cfg.get("fc_norm")), norm_output=bool(cfg.get("norm_output")),
-                  attn_implementation=attn_implementation)
+    if mla_head:
+        from eagle3kit.drafter import mla
+
+        model = mla.build(target_path, aux, vocab, config=mla.config_of_export(cfg, attn_implementation, aux))
+    else:
+        model = build(target_path, aux, vocab, fc_norm=bool(cfg.get("fc_norm")),
+                      norm_output=bool(cfg.get("norm_output")), attn_implementation=attn_implementation)
     state = {k: v.float() for k, v in tensors.items() if k not in ("d2t", "t2d")}
     model.load_state_dict(state, strict=False)
     return model, cfg, meta

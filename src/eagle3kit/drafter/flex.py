@@ -71,8 +71,9 @@ class StepCache:
         pad = self.steps - len(ks)
         if pad < 0:
             raise ValueError(f"TTT step {len(ks)} of a cache sized for {self.steps}")
-        shape = key.shape[:2] + (pad * key.shape[2], key.shape[3])
-        return (torch.cat(ks + [key.new_zeros(shape)], dim=2), torch.cat(vs + [value.new_zeros(shape)], dim=2))
+        def padded(xs, x):  # keys and values may differ in head size (MLA: qk_nope + qk_rope against v_head)
+            return torch.cat(xs + [x.new_zeros(x.shape[:2] + (pad * x.shape[2], x.shape[3]))], dim=2)
+        return padded(ks, key), padded(vs, value)
 
 
 def _mask_mod(doc: torch.Tensor, s: int, limit: torch.Tensor):

@@ -122,6 +122,20 @@ def check_servable(config) -> None:
                            f"norm_output are supported)")
 
 
+def target_tensors(target_path) -> dict:
+    """The target's embeddings, ``lm_head`` (the embeddings when tied) and final norm, by suffix from its files (a
+    multimodal wrapper's ``language_model.`` prefix included)."""
+    from speculators.utils.loading import load_model_layers
+
+    _quiet_speculators()
+    w = load_model_layers(["embed_tokens.weight", "lm_head.weight", "model.norm.weight"], str(target_path))
+    if "embed_tokens.weight" not in w:
+        raise DrafterError(f"{target_path}: no embeddings (embed_tokens.weight) in the target's files")
+    return {"embed_tokens.weight": w["embed_tokens.weight"],
+            "lm_head.weight": w.get("lm_head.weight", w["embed_tokens.weight"]),
+            **({"norm.weight": w["model.norm.weight"]} if "model.norm.weight" in w else {})}
+
+
 def trainable_state(model) -> dict:
     """What training changes (and checkpoints hold): every parameter that requires a gradient."""
     return {k: v for k, v in model.state_dict().items()

@@ -71,8 +71,17 @@ class TrainConfig:
     step_decay: float = 0.8  # weight of TTT step k: step_decay ** k (speculators 1.0, SpecForge/EAGLE 0.8)
     loss: str = "ce_masked"  # ce_masked (SpecForge/EAGLE) or kl (speculators)
     lm_head: str = "trained"  # trained (SpecForge/EAGLE) or frozen to the target's rows (speculators)
+    drafter: str = "llama"  # llama (SGLang's LlamaForCausalLMEagle3) or mla (Eagle3DeepseekV2ForCausalLM, drafter/mla.py)
+    eagle31: bool = False  # EAGLE-3.1: fc_norm and norm_output both on
     fc_norm: bool = False
     norm_output: bool = False
+    # drafter=mla: the MLA geometry; None takes the target's own (an MLA target), required otherwise
+    mla_num_attention_heads: int | None = None
+    mla_q_lora_rank: int | None = None
+    mla_kv_lora_rank: int | None = None
+    mla_qk_nope_head_dim: int | None = None
+    mla_qk_rope_head_dim: int | None = None
+    mla_v_head_dim: int | None = None
     allow_post_norm_final: bool = False  # only to reproduce the mistake on purpose (acceptance experiment)
     lr: float = 3e-4
     weight_decay: float = 0.0
@@ -107,6 +116,11 @@ class TrainConfig:
             if not ok:
                 raise TrainError(f"train setting {what}")
         need(self.loss in LOSSES, f"loss={self.loss!r}: choose one of {LOSSES}")
+        need(self.drafter in ("llama", "mla"), f"drafter={self.drafter!r}: choose 'llama' or 'mla'")
+        need(self.drafter == "mla" or not any(v is not None for v in self.mla_overrides().values()),
+             "mla_* settings apply to drafter=mla only: set drafter=mla or leave them unset")
+        need(self.drafter == "llama" or self.num_layers == 1, f"num_layers={self.num_layers} with drafter=mla: "
+             f"SGLang 0.5.14's Eagle3DeepseekV2ForCausalLM runs exactly one layer")
         need(self.attention in ("auto", "sdpa", "flex"), f"attention={self.attention!r}: choose auto, sdpa or flex")
         need(self.lm_head in ("trained", "frozen"), f"lm_head={self.lm_head!r}: choose 'trained' or 'frozen'")
         need(self.ttt_steps >= 1 and self.num_layers >= 1, "ttt_steps and num_layers must be >= 1")
@@ -135,6 +149,18 @@ class TrainConfig:
             except LiveError as e:
                 raise TrainError(str(e)) from None
         return self
+
+    def mla_overrides(self) -> dict:
+        """The ``mla_*`` settings without the prefix (None: the target's own)."""
+        return {f.name[4:]: getattr(self, f.name) for f in fields(self) if f.name.startswith("mla_")}
+
+    @property
+    def use_fc_norm(self) -> bool:
+        return self.fc_norm or self.eagle31
+
+    @property
+    def use_norm_output(self) -> bool:
+        return self.norm_output or self.eagle31
 
     @property
     def eval_depth(self) -> int:
@@ -343,9 +369,19 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
     if sparse and device.type != "cuda":
         raise TrainError(f"attention=flex on {device}: PyTorch's flex attention has no backward there. Fix: "
                          f"attention=sdpa (or auto) on a CPU")
-    model = build(target, aux, vocab, cfg.num_layers, cfg.fc_norm, cfg.norm_output,
-                  train_lm_head=cfg.lm_head == "trained", ttt_steps=cfg.ttt_steps,
-                  attn_implementation=flex.IMPL if sparse else "sdpa").to(device)
+    if cfg.drafter == "mla":
+        from eagle3kit.drafter import mla
+
+        try:
+            model = mla.build(target, aux, vocab, cfg.use_fc_norm, cfg.use_norm_output,
+                              train_lm_head=cfg.lm_head == "trained", overrides=cfg.mla_overrides(),
+                              attn_implementation=flex.IMPL if sparse else "sdpa", seed=cfg.seed).to(device)
+        except mla.MLAError as e:
+            raise TrainError(str(e)) from None
+    else:
+        model = build(target, aux, vocab, cfg.num_layers, cfg.use_fc_norm, cfg.use_norm_output,
+                      train_lm_head=cfg.lm_head == "trained", ttt_steps=cfg.ttt_steps,
+                      attn_implementation=flex.IMPL if sparse else "sdpa").to(device)
     head = head.placed(device)
     attention = "flex" if sparse else "sdpa"
     if sparse and cfg.attention == "auto":
