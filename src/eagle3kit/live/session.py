@@ -113,7 +113,8 @@ def open_live(cfg, dist, out_dir: Path):
     source = LiveSource(train, stream, info, layer_ids, rank=dist.rank, timeout_s=lc.timeout_s,
                         cache=lc.cache_gb > 0 and cfg.epochs > 1)
     bpt = bytes_per_token(len(layer_ids), tinfo.hidden_size, lc.storage)
-    live = LiveStream(feeder, source, bpt, int(lc.stream_gb * 1e9), int(lc.cache_gb * 1e9), lc.max_attempts)
+    live = LiveStream(feeder, source, bpt, int(lc.stream_gb * 1e9), int(lc.cache_gb * 1e9), lc.max_attempts,
+                      owns_dir=not lc.urls)
     live.prepare()
     source.stream = live
     heldout = None

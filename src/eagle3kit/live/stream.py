@@ -20,6 +20,9 @@ from eagle3kit.capture.format import atomic_write, sample_name
 from eagle3kit.live.source import CACHE, CONSUMED, REJECTS, STATUS, epoch_key
 
 
+HEADER_BYTES = 4096  # a sample file's safetensors header and metadata, at most
+
+
 class ReferenceFeeder:
     """Captures by the transformers reference engine, one sample at a time, in the producer's thread."""
 
@@ -102,12 +105,13 @@ class LiveStream:
     counts). Counts what it asked, what came, what failed, what was rejected and what the trainer took, per epoch."""
 
     def __init__(self, feeder, source, bytes_per_token: float, budget_bytes: int, cache_bytes: int = 0,
-                 max_attempts: int = 5, status_every: float = 0.5):
+                 max_attempts: int = 5, status_every: float = 0.5, owns_dir: bool = False):
         self.feeder, self.source = feeder, source
         self.dir = Path(source.stream_dir)
         self.samples_dir = self.dir / "samples"
         self.bpt, self.budget, self.cache_budget = float(bytes_per_token), int(budget_bytes), int(cache_bytes)
         self.max_attempts, self.status_every = max_attempts, status_every
+        self.owns_dir = owns_dir  # made for this run (not running servers' folder): removed at close
         self._lock = threading.Lock()
         self._epoch, self._order, self._pos = 0, [], 0
         self._retry: collections.deque = collections.deque()
@@ -127,6 +131,10 @@ class LiveStream:
         self._last_status = 0.0
         self._t0 = time.time()
         self._waits = []
+
+    def estimate(self, n_tokens: int) -> int:
+        """A capture's bytes before it exists: the tensors and the file's header and metadata (at most a few KB)."""
+        return int(n_tokens * self.bpt) + HEADER_BYTES
 
     # -- called by the trainer (main thread) --
     def prepare(self) -> None:
@@ -201,6 +209,10 @@ class LiveStream:
             self._thread.join(timeout=self.feeder.timeout if hasattr(self.feeder, "timeout") else 60)
         self._reap()
         self.feeder.close()
+        if self.owns_dir:  # what was asked and not trained on (a run cut mid-epoch) goes with the folder
+            import shutil
+
+            shutil.rmtree(self.dir, ignore_errors=True)
         return self.summary()
 
     def summary(self) -> dict:
@@ -248,7 +260,7 @@ class LiveStream:
                 key = epoch_key(self._epoch, s.index)
                 if key in self._out:  # the same sample twice in one epoch's order: the second after the first went
                     break
-                est = self._cached.get(s.index) or int(len(s.input_ids) * self.bpt)
+                est = self._cached.get(s.index) or self.estimate(len(s.input_ids))
                 if self._out and self._accounted() + est > self.budget:
                     break
                 if self._retry:

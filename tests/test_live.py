@@ -1,0 +1,217 @@
+"""Live training (eagle3kit.live): the stream's accounting on real sample files (a feeder that writes them, pure
+logic), then the real thing on the CPU: the reference engine captures while the trainer trains, a killed trainer
+resumes, and the drafter equals the one trained from files of the same conversations."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3kit.capture.format import write_sample
+from eagle3kit.drafter.data import SourceInfo
+from eagle3kit.live.config import LiveConfig, LiveError
+from eagle3kit.live.source import LiveSample, LiveSource, StreamError
+from eagle3kit.live.stream import LiveStream
+
+H, N_STATES = 64, 2
+
+
+def _tensors(ids, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"hidden_states": torch.randn(len(ids), N_STATES, H, generator=g).to(torch.bfloat16),
+            "token_ids": torch.tensor(ids, dtype=torch.int64)}
+
+
+class FileFeeder:
+    """Writes real sample files (format.write_sample), with faults on demand: ``fail`` keys fail their first capture,
+    ``corrupt`` keys get wrong token ids the first time, ``always_fail`` keys never succeed."""
+
+    timeout = 5
+
+    def __init__(self, fail=(), corrupt=(), always_fail=()):
+        self.fail, self.corrupt, self.always_fail = set(fail), set(corrupt), set(always_fail)
+        self.asked = []
+
+    def prepare(self, samples_dir):
+        samples_dir.mkdir(parents=True, exist_ok=True)
+
+    def run(self, samples_dir, take, on_done):
+        while True:
+            got = take(4)
+            if got is None:
+                return
+            if not got:
+                time.sleep(0.001)
+                continue
+            for key, ids in got:
+                self.asked.append(key)
+                if key in self.always_fail or key in self.fail:
+                    self.fail.discard(key)
+                    on_done(key, {"status": "error", "key": key, "reason": "injected"})
+                    continue
+                wrong = key in self.corrupt
+                self.corrupt.discard(key)
+                t = _tensors([x + 1 for x in ids] if wrong else ids, seed=len(ids))
+                on_done(key, write_sample(samples_dir, key, 0, t, {"model": "test"}))
+
+    def recover(self, reason):
+        return False
+
+    def close(self):
+        pass
+
+
+def _stream(tmp_path, n=12, budget=1 << 30, feeder=None, cache=False, max_attempts=5):
+    samples = [LiveSample(i * 10, f"c{i}", list(range(3, 8 + i)), [0, 0] + [1] * (3 + i)) for i in range(n)]
+    info = SourceInfo([1, 2], H, N_STATES, "t", True)
+    src = LiveSource(samples, tmp_path / "stream", info, [1, 2], timeout_s=5, cache=cache)
+    per_token = N_STATES * H * 2
+    st = LiveStream(feeder or FileFeeder(), src, per_token, budget, cache_bytes=1 << 30 if cache else 0,
+                    max_attempts=max_attempts, status_every=0.0)
+    st.prepare()
+    src.stream = st
+    return src, st
+
+
+def _read_epoch(src, order):
+    return [src.load(i) for i in order]
+
+
+def test_every_sample_once_in_order_and_the_stream_emptied(tmp_path):
+    src, st = _stream(tmp_path)
+    order = [3, 1, 4, 0, 5, 9, 2, 6, 8, 7, 11, 10]
+    src.schedule(0, order)
+    got = _read_epoch(src, order)
+    for i, t in zip(order, got):  # each sample is the capture of its own request
+        assert t["token_ids"].tolist() == src.samples[i].input_ids
+        assert t["loss_mask"].tolist() == src.samples[i].loss_mask
+    s = st.close(last_epoch_complete=True)
+    assert (s["live_samples_trained"], s["live_samples_lost"], s["live_samples_duplicated"]) == (12, 0, 0)
+    assert not list((tmp_path / "stream" / "samples").glob("*.safetensors"))  # consumed samples leave the stream
+
+
+def test_the_bound_holds_the_stream(tmp_path):
+    src, st = _stream(tmp_path, budget=16 << 10)  # a few of these samples (1.3-4 KB each, and the header)
+    order = list(range(12))
+    src.schedule(0, order)
+    time.sleep(0.3)  # the producer runs ahead as far as the bound lets it, then waits for the trainer
+    files = list((tmp_path / "stream" / "samples").glob("*.safetensors"))
+    assert 1 <= len(files) < 12 and sum(f.stat().st_size for f in files) <= st.budget
+    _read_epoch(src, order)
+    s = st.close(True)
+    assert s["live_peak_accounted_mb"] <= s["live_stream_bound_mb"]
+    assert s["live_peak_stream_mb"] <= s["live_stream_bound_mb"]
+
+
+def test_a_failed_capture_and_a_rejected_one_are_asked_again_never_trained_on(tmp_path, capsys):
+    feeder = FileFeeder(fail={"e000s0000020"}, corrupt={"e000s0000050"})
+    src, st = _stream(tmp_path, feeder=feeder)
+    order = list(range(8))
+    src.schedule(0, order)
+    got = _read_epoch(src, order)
+    assert all(t["token_ids"].tolist() == src.samples[i].input_ids for i, t in zip(order, got))
+    s = st.close(True)
+    assert s["live_capture_failures"] == 1 and s["live_samples_rejected"] == 1
+    assert s["live_samples_trained"] == 8 and s["live_samples_lost"] == 0 and s["live_samples_duplicated"] == 0
+    assert feeder.asked.count("e000s0000020") == 2 and feeder.asked.count("e000s0000050") == 2
+    assert "rejected by the trainer's check (token ids differ" in capsys.readouterr().out
+
+
+def test_a_sample_that_never_comes_stops_the_run_naming_it(tmp_path):
+    src, st = _stream(tmp_path, feeder=FileFeeder(always_fail={"e000s0000010"}), max_attempts=3)
+    src.schedule(0, [0, 1, 2])
+    src.load(0)
+    with pytest.raises(StreamError, match=r"sample 10 \(e000s0000010\) failed 3 times; last: capture failed: injected"):
+        src.load(1)
+    st.close()
+
+
+def test_repeats_in_an_epoch_and_the_epoch_cache(tmp_path):
+    feeder = FileFeeder()
+    src, st = _stream(tmp_path, n=4, feeder=feeder, cache=True)
+    src.schedule(0, [0, 1, 2, 3, 0])  # a plan completed with its own first batch again: sample 0 twice
+    _read_epoch(src, [0, 1, 2, 3, 0])
+    src.schedule(1, [2, 0, 3, 1])
+    second = _read_epoch(src, [2, 0, 3, 1])
+    assert all(t["token_ids"].tolist() == src.samples[i].input_ids for i, t in zip([2, 0, 3, 1], second))
+    s = st.close(True)
+    assert s["live_samples_lost"] == 0 and s["live_samples_duplicated"] == 0 and s["live_epochs_complete"] == 2
+    assert s["live_samples_from_cache"] >= 3 and sum(k.startswith("e001") for k in feeder.asked) <= 1
+
+
+def test_live_settings_are_checked(capsys):
+    with pytest.raises(LiveError, match="stream_gb=0"):
+        LiveConfig.from_dict({"stream_gb": 0})
+    with pytest.raises(LiveError, match="unknown live settings"):
+        LiveConfig.from_dict({"stream_size": 3})
+    with pytest.raises(LiveError, match="sglang engine's"):
+        LiveConfig.from_dict({"urls": ["http://127.0.0.1:1"]})
+    from eagle3kit.cli import main
+
+    assert main(["train", "--data", "embedded:sharegpt", "--out", "/tmp/x-never", "--engine", "sglang"]) != 0
+    assert "engine: live settings; add --live" in capsys.readouterr().err
+    assert not Path("/tmp/x-never").exists()
+
+
+# -- the real stream on the CPU: the reference engine captures while the trainer trains --
+
+RECIPE = {"target": "embedded:smollm2", "draft_vocab_size": 1024, "ttt_steps": 2, "serving_steps": 2,
+          "tokens_per_batch": 64, "epochs": 1, "workers": 1, "progress": False, "save_every": 1, "lr": 1e-3}
+LIVE = {"engine": "transformers", "max_samples": 8, "max_tokens": 48, "heldout_percent": 25, "stream_gb": 0.001}
+
+
+@pytest.fixture(scope="module")
+def file_run(tmp_path_factory, target_path):
+    """The same conversations captured to files by extract, and a drafter trained on them."""
+    from eagle3kit.drafter.train import TrainConfig, train
+    from eagle3kit.pipeline import run_extraction
+
+    root = tmp_path_factory.mktemp("live")
+    run_extraction(target=str(target_path), out_dir=root / "data", engine="transformers",
+                   max_samples=LIVE["max_samples"], max_tokens=LIVE["max_tokens"], heldout_percent=25, progress=False)
+    summary = train(TrainConfig.from_dict({**RECIPE, "data": str(root / "data"), "out_dir": str(root / "file")}))
+    return root, summary
+
+
+def test_live_training_killed_resumed_equals_training_from_files(file_run):
+    """One recipe, the same conversations: trained live (killed with SIGKILL after a checkpoint, then resumed) and from
+    files. The reference engine is deterministic, so the drafters are the same; no hidden state reached the disk."""
+    from safetensors.torch import load_file
+
+    from eagle3kit.drafter.train import TrainConfig, train
+
+    root, file_summary = file_run
+    out = root / "live"
+    args = [sys.executable, "-m", "eagle3kit.cli", "train", "--live", "--data", "embedded:sharegpt", "--out", str(out)]
+    args += [a for k, v in RECIPE.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    args += [a for k, v in LIVE.items() for a in ("--live-set", f"{k}={json.dumps(v)}")]
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = out / "train_log.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:
+        if log.exists() and len(log.read_text().splitlines()) >= 2 and (out / "checkpoints" / "last.pt").exists():
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "the live training ended before it could be killed mid-run"
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    steps_before = len(log.read_text().splitlines())
+    assert 2 <= steps_before < file_summary["train_steps"]
+    s = train(TrainConfig.from_dict({**RECIPE, "data": "embedded:sharegpt", "out_dir": str(out), "live": LIVE}))
+    assert s["train_steps"] == file_summary["train_steps"] and s["train_samples"] == file_summary["train_samples"]
+    assert s["live_samples_lost"] == 0 and s["live_samples_duplicated"] == 0
+    assert s["live_hidden_state_bytes_on_disk"] == 0 and s["live_peak_accounted_mb"] <= s["live_stream_bound_mb"] + \
+        s["live_bytes_per_token"] * LIVE["max_tokens"] / 2 ** 20  # a sample larger than the bound goes alone
+    live_w = load_file(str(out / "final" / "model.safetensors"))
+    file_w = load_file(str(root / "file" / "final" / "model.safetensors"))
+    assert live_w.keys() == file_w.keys() and all(torch.equal(live_w[k], file_w[k]) for k in live_w)
+    assert s["heldout_tau_2"] == file_summary["heldout_tau_2"]
+    assert not Path(s["live_stream_dir"]).exists()
+    on_disk = [p for p in out.rglob("*.safetensors") if p.name != "model.safetensors"]
+    assert not on_disk
