@@ -40,7 +40,7 @@ def test_environment_yml_matches_pyproject():
     conda = {_name(d) for d in env["dependencies"] if isinstance(d, str)}
     have = {_name(r) for r in pip_list if not r.startswith("-")} | ({"torch"} if "pytorch-cpu" in conda else set())
     assert wanted <= have, f"environment.yml lacks {sorted(wanted - have)}"
-    extra = have - wanted - {"jupyterlab"}
+    extra = have - wanted
     assert not extra, f"environment.yml has {sorted(extra)} that pyproject.toml does not"
 
 
