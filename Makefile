@@ -13,4 +13,4 @@ test: setup
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
 lab: setup
-	.venv/bin/python -m pip install -q "jupyterlab>=4" && .venv/bin/jupyter lab notebooks/
+	.venv/bin/jupyter lab notebooks/

