@@ -748,10 +748,36 @@ def test_summarize_speedup_and_breakeven():
     plain = _measured([90.0, 100.0, 130.0])
     spec = _measured([140.0, 150.0, 400.0], accepts=[2.0, 2.6, None])
     s = online.summarize(plain, spec, 1)
-    assert s["speedup"] == pytest.approx(1.5)  # medians, not means
+    assert s["speedup"] == pytest.approx(140 / 90)  # the median of the rounds' ratios (1.56, 1.5, 3.08), not means
     assert s["accept_length"] == pytest.approx(2.3)
-    assert s["breakeven_accept_length"] == pytest.approx(2.3 / 1.5)
+    assert s["breakeven_accept_length"] == pytest.approx(2.3 / (140 / 90))
     assert s["plain_tokens_per_s"] == 100.0 and s["spec_tokens_per_s"] == 150.0
+
+
+def test_the_speedup_is_the_median_of_the_paired_rounds_not_the_ratio_of_medians():
+    """Rounds run back to back, each server's round i at the same moment: the speedup is the median of round i's
+    spec / plain, with each round's ratio and their range beside it. Here the medians' ratio (150 / 200 = 0.75)
+    pairs plain's second round with spec's second round only by chance of order; the paired median is 0.83."""
+    from eagle3kit.acceptance import experiment
+
+    plain, spec = _measured([100.0, 200.0, 300.0]), _measured([150.0, 150.0, 250.0], accepts=[2.0, 2.0, 2.0])
+    assert online.paired_speedups(plain[1], spec[1]) == pytest.approx([1.5, 0.75, 250 / 300])
+    assert online.paired_speedup(plain[1], spec[1]) == pytest.approx(250 / 300)
+    assert online.summarize(plain, spec, 1)["speedup"] == pytest.approx(250 / 300)
+    assert online.paired_speedup(plain[1], {"rounds": []}) is None  # no round measured by both: no figure
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3, 5), trees=(),
+                                 concurrencies=(1,), offbyone=False, proof=False)
+    srv = {"plain": plain, "main": spec, "steps5": _measured([90.0, 260.0, 330.0], accepts=[3.0] * 3)}
+    results = {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}}
+    results["servers"]["steps5"]["setting"] = [5, 1, 6]
+    m = experiment.summarize(plan, results, {}, {})
+    assert m["online_speedup"] == pytest.approx(250 / 300) == m["steps3_speedup"]
+    assert [m[f"online_speedup_round{i}"] for i in range(3)] == pytest.approx([1.5, 0.75, 250 / 300])
+    assert (m["online_speedup_rounds_min"], m["online_speedup_rounds_max"]) == pytest.approx((0.75, 1.5))
+    assert m["online_speedup_medians_ratio"] == pytest.approx(0.75)  # the old figure, kept beside it
+    assert m["steps5_speedup"] == pytest.approx(1.1) and m["steps5_speedup_medians_ratio"] == pytest.approx(1.3)
+    assert m["steps3_speedup_round1"] == m["online_speedup_round1"]  # main is the sweep's point at its setting
+    assert m["online_best_setting"] == "steps5 (5,1,6)" and m["online_best_speedup"] == pytest.approx(1.1)
 
 
 def test_summarize_without_accept_or_plain_speed():
@@ -1013,7 +1039,8 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     assert all(k.isidentifier() for k in m), [k for k in m if not k.isidentifier()]
     assert m["adaptive_outputs_identical_to_plain"] == 0.5 and m["fi_plain_common_prefix_with_plain"] == 0.75
     assert m["main_outputs_identical_to_plain"] == 0.5 and m["fi_outputs_identical_to_plain"] == 0.5
-    assert m["adaptive_speedup"] == pytest.approx(255 / 200) and m["adaptive_speedup_c8"] == pytest.approx(0.95)
+    # its rounds' ratios 1.2 and 1.3 (the medians' ratio 255 / 200 would give 1.275)
+    assert m["adaptive_speedup"] == pytest.approx(1.25) and m["adaptive_speedup_c8"] == pytest.approx(0.95)
     assert m["adaptive_accept_length_c8"] == pytest.approx(1.2) and m["adaptive_plain_tokens_per_s_c8"] == 1000.0
     assert m["adaptive_speedup_c8_rounds_min"] == pytest.approx(0.95) and "adaptive_breakeven_accept_length_c8" not in m
 
@@ -1077,7 +1104,8 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
     results["servers"]["plain"]["by_concurrency"] = _measured([125.0, 100.0])  # plain fast in round 0, slow in 1
     m = experiment.summarize(plan, results, {}, {})  # round by round, not fastest with fastest: 110/125 and 120/100
     assert (m["steps7_speedup_rounds_min"], m["steps7_speedup_rounds_max"]) == pytest.approx((0.88, 1.2))
-    assert m["steps7_speedup"] == pytest.approx(115 / 112.5)  # the medians' ratio hides that one round lost
+    assert m["steps7_speedup"] == pytest.approx((110 / 125 + 1.2) / 2)  # the paired rounds' median (2 rounds)
+    assert m["steps7_speedup_medians_ratio"] == pytest.approx(115 / 112.5)  # the medians' ratio pairs no rounds
     results["servers"]["plain"]["by_concurrency"] = _measured([100.0, 100.0])
     results["servers"]["steps7"]["by_concurrency"] = _measured([130.0, 130.0], [2.6, 2.6])
     assert experiment.summarize(plan, results, {}, {})["online_best_setting"] == "steps7 (7,1,8)"
@@ -1112,24 +1140,27 @@ def test_a_serving_flag_is_judged_against_sglangs_defaults_and_the_fastest_plain
     settings = {"main": [3, 1, 4], "steps7": [7, 1, 8], "main-bcg": [3, 1, 4]}
     results = {"servers": {k: {"by_concurrency": v, "setting": settings.get(k)} for k, v in srv.items()}}
     m = experiment.summarize(plan, results, {}, {})
-    assert m["bcg_speedup"] == pytest.approx(112 / 98)  # against its own plain, which the flag slowed
-    assert m["bcg_speedup_vs_plain"] == pytest.approx(112 / 102)  # against SGLang's defaults
+    paired = statistics.median  # of the rounds' ratios, each against plain's round of the same moment
+    assert m["bcg_speedup"] == pytest.approx(paired([110 / 96, 114 / 100]))  # against its own plain, slowed by the flag
+    assert m["bcg_speedup_vs_plain"] == pytest.approx(paired([110 / 100, 114 / 104]))  # against SGLang's defaults
     assert (m["bcg_speedup_vs_plain_rounds_min"], m["bcg_speedup_vs_plain_rounds_max"]) == pytest.approx(
         (114 / 104, 110 / 100))  # round by round
     assert m["online_best_setting"] == "main-bcg (3,1,4) --cuda-graph-backend-prefill breakable"
-    assert m["online_best_baseline"] == "plain" and m["online_best_speedup"] == pytest.approx(112 / 102)
+    assert m["online_best_baseline"] == "plain" and m["online_best_speedup"] == m["bcg_speedup_vs_plain"]
     assert m["online_best_speedup_rounds_min"] == pytest.approx(114 / 104) and m["online_best_accept_length"] == 2.5
     # the flag speeds plain more than main: the best is judged against that plain, not the slower default
     results["servers"]["plain-bcg"]["by_concurrency"] = _measured([120.0, 124.0])
     m = experiment.summarize(plan, results, {}, {})
     assert m["online_best_baseline"] == "plain-bcg" and m["online_best_setting"] == "main-bcg (3,1,4) " + " ".join(bcg)
-    assert m["online_best_speedup"] == pytest.approx(112 / 122) and m["bcg_speedup_vs_plain"] == pytest.approx(112 / 102)
+    assert m["online_best_speedup"] == pytest.approx(paired([110 / 120, 114 / 124]))
+    assert m["bcg_speedup_vs_plain"] == pytest.approx(paired([110 / 100, 114 / 104]))
     head = compare.table([{"run": "r", **m}]).splitlines()[0].split()  # 06's table: the baseline and the variant
     assert {"online_best_baseline", "bcg_speedup_vs_plain"} <= set(head)
     # without the variant's main, the sweep's best against the faster plain
     del results["servers"]["main-bcg"]
     m = experiment.summarize(plan, results, {}, {})
-    assert m["online_best_setting"] == "steps7 (7,1,8)" and m["online_best_speedup"] == pytest.approx(107 / 122)
+    assert m["online_best_setting"] == "steps7 (7,1,8)"
+    assert m["online_best_speedup"] == pytest.approx(paired([106 / 120, 108 / 124]))
     # a speculative-only variant has no plain of its own: it is judged against plain, and no vs_plain twin is written
     plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(),
                                  variants={"adaptive": ["--speculative-adaptive"]}, concurrencies=(1,))

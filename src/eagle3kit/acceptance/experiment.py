@@ -409,16 +409,22 @@ def _accept(results: dict, name: str, conc: int = 1):
     return statistics.fmean(acc) if acc else None
 
 
-SPEEDUP_SPREADS = ("rounds_min", "rounds_max", "pooled", "ci95_low", "ci95_high")  # of a speedup <key>: <key>_<these>
+SPEEDUP_SPREADS = re.compile(r"round\d+|rounds_min|rounds_max|medians_ratio|pooled|ci95_low|ci95_high")  # of a
+# speedup <key>: <key>_<these> (``_speedup_spreads``)
 
 
 def _speedup_spreads(key: str, plain: dict, spec: dict, *, batch1: bool) -> dict:
-    """``<key>_rounds_min/max``: the range of each round's ratio to plain's round of the same moment (the speedup's
-    own spread, ``online.paired_speedups``); at batch 1 also ``<key>_pooled`` (every prompt and round pooled) and
-    ``<key>_ci95_low/high``, its interval over the prompts (``online.speedup_interval``; ``<key>`` itself is the
-    medians' ratio, which may fall outside it); nothing without rounds."""
+    """``<key>`` is the median of the rounds' paired ratios (``online.paired_speedup``); beside it
+    ``<key>_round<i>``: round i's ratio to plain's round of the same moment, ``<key>_rounds_min/max``: their range
+    (the speedup's own spread, ``online.paired_speedups``), ``<key>_medians_ratio``: the two servers' medians' ratio
+    (what records before the paired median reported); at batch 1 also ``<key>_pooled`` (every prompt and round
+    pooled) and ``<key>_ci95_low/high``, its interval over the prompts (``online.speedup_interval``); nothing without
+    rounds."""
     paired = online.paired_speedups(plain, spec)
     out = {f"{key}_rounds_min": min(paired), f"{key}_rounds_max": max(paired)} if paired else {}
+    out.update({f"{key}_round{i}": x for i, x in enumerate(paired)})
+    if paired and plain.get("output_tokens_per_s_median"):
+        out[f"{key}_medians_ratio"] = spec["output_tokens_per_s_median"] / plain["output_tokens_per_s_median"]
     pooled = online.pooled_speedup(plain, spec) if batch1 else None
     ci = online.speedup_interval(plain, spec) if batch1 else None
     if pooled is not None:
@@ -449,14 +455,14 @@ def _best_setting(results: dict, m: dict, plan: "OnlinePlan") -> dict:
             continue
         setting = ",".join(map(str, r.get("setting") or list(plan.serving)))
         label = f"{name} ({setting})" + ("".join(f" {a}" for a in plan.variants[v]) if v else "")
-        if best is None or tps[name] > tps[best[0]]:
-            best = (name, label)
+        sp = online.paired_speedup(srv[base]["by_concurrency"][1], r["by_concurrency"][1])
+        if sp is not None and (best is None or sp > best[2]):
+            best = (name, label, sp)
     if best is None:
         return {}
-    name, label = best
+    name, label, sp = best
     key = "online" if name == "main" else _metric_prefix(name)
-    out = {"online_best_setting": label, "online_best_baseline": base,
-           "online_best_speedup": tps[name] / tps[base]}
+    out = {"online_best_setting": label, "online_best_baseline": base, "online_best_speedup": sp}
     accept = m.get(f"{key}_accept_length")
     if accept is not None:
         out["online_best_accept_length"] = accept
@@ -669,12 +675,13 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                 m[f"{key}_accept_cost_ci95_low"], m[f"{key}_accept_cost_ci95_high"] = cost
         tps = r["by_concurrency"][1]["output_tokens_per_s_median"]
         m[f"{key}_tokens_per_s_spread"] = online.spread(r["by_concurrency"][1])
-        if plain1:
-            m[f"{key}_speedup"] = tps / plain1
+        sp = online.paired_speedup(srv["plain"]["by_concurrency"][1], r["by_concurrency"][1]) if plain1 else None
+        if sp is not None:
+            m[f"{key}_speedup"] = sp
             m.update(_speedup_spreads(f"{key}_speedup", srv["plain"]["by_concurrency"][1], r["by_concurrency"][1],
                                       batch1=True))
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
-                m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
+                m[f"{key}_breakeven_accept_length"] = online.breakeven(a, sp)
                 m[f"{key}_cycle_ms"] = online.cycle_ms(a, tps)
             m.update(fit_metrics(key, r["by_concurrency"][1], a, plain_fit))
     m.update(accepting_cost(m))
@@ -691,9 +698,8 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         m[f"steps{s}_speedup"] = m.get("online_speedup", 0.0)
         if "online_cycle_ms" in m:
             m[f"steps{s}_cycle_ms"] = m["online_cycle_ms"]
-        for end in SPEEDUP_SPREADS:
-            if f"online_speedup_{end}" in m:
-                m[f"steps{s}_speedup_{end}"] = m[f"online_speedup_{end}"]
+        for k in [k for k in m if SPEEDUP_SPREADS.fullmatch(k.removeprefix("online_speedup_"))]:
+            m[f"steps{s}_speedup_{k[len('online_speedup_'):]}"] = m[k]
     m.update(_best_setting(results, m, plan))
     m.update(proof_metrics(plan, proofs))
     for name, match in results.get("outputs_match_plain", {}).items():

@@ -334,6 +334,15 @@ def paired_speedups(plain: dict, spec: dict) -> list[float]:
     return [b / a for a, b in zip(p, q) if a]
 
 
+def paired_speedup(plain: dict, spec: dict) -> float | None:
+    """The speedup of one concurrency: the median over rounds of each round's spec / plain ratio
+    (``paired_speedups``), not the ratio of the two servers' medians, which pairs a round of one with another round
+    of the other (plain's rounds 100, 200, 300 tokens/s against 150, 150, 250: medians' ratio 0.75, paired median 0.83). None
+    without a round measured by both."""
+    paired = paired_speedups(plain, spec)
+    return statistics.median(paired) if paired else None
+
+
 def speedup_interval(plain: dict, spec: dict, level: float = 0.95, resamples: int = 2000, seed: int = 0):
     """(low, high): a paired bootstrap interval of the batch-1 speedup over the prompts (prompts drawn with
     replacement, the same for both servers; each prompt's output tokens and seconds summed over the rounds; speedup =
@@ -411,13 +420,15 @@ def accept_difference_interval(a: dict, b: dict, level: float = 0.95, resamples:
 
 
 def summarize(plain: dict, spec: dict, conc: int) -> dict:
-    """Speedup (median over rounds) and the break-even accept length; at batch 1 also the times it comes from: plain's
-    milliseconds a token and the speculative server's a verify cycle (accept length tokens; prefill included in both)."""
+    """Speedup (the median of the rounds' paired ratios, ``paired_speedup``) and the break-even accept length; at
+    batch 1 also the times it comes from: plain's milliseconds a token and the speculative server's a verify cycle
+    (accept length tokens; prefill included in both)."""
     p = plain[conc]["output_tokens_per_s_median"]
     s = spec[conc]["output_tokens_per_s_median"]
     acc = [r["accept_length"] for r in spec[conc]["rounds"] if "accept_length" in r]
     accept = statistics.fmean(acc) if acc else None
-    out = {"speedup": s / p if p else 0.0, "accept_length": accept, "plain_tokens_per_s": p, "spec_tokens_per_s": s}
+    speedup = paired_speedup(plain[conc], spec[conc])
+    out = {"speedup": speedup or 0.0, "accept_length": accept, "plain_tokens_per_s": p, "spec_tokens_per_s": s}
     if accept:
         out["breakeven_accept_length"] = breakeven(accept, out["speedup"])
         if conc == 1 and p and s:
