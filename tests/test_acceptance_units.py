@@ -744,6 +744,52 @@ def test_accept_length_at_another_concurrency_on_the_prompts_batch_1_used(monkey
     assert "online_accept_length_on_batch1_prompts" not in m
 
 
+def test_every_timed_request_asks_plain_and_speculative_servers_for_the_same_work(monkeypatch):
+    """Equal work: the request payloads of plain and of the speculative server carry the same max_new_tokens and
+    ignore_eos (true) for every prompt, in the timed rounds at every concurrency, the warm passes and the one-token
+    probe alike, so tokens/s compare the same number of generated tokens per prompt whatever text each produced."""
+    import requests
+
+    sent = []
+
+    class Reply:
+        def __init__(self, n):
+            self.n = n
+
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return {"output_ids": [5] * self.n, "meta_info": {"completion_tokens": self.n, "e2e_latency": 0.01}}
+
+    class Session:
+        def post(self, url, timeout=None, json=None):
+            sent.append((url.split("/")[0], tuple(json["input_ids"]), tuple(sorted(json["sampling_params"].items()))))
+            return Reply(json["sampling_params"]["max_new_tokens"])
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(requests, "Session", Session)
+    monkeypatch.setattr(online, "flush", lambda url: None)
+    monkeypatch.setattr(online, "server_accept_length", lambda url: None)
+    prompts = {1: [[1, 2], [3], [4, 5, 6]], 8: [[7], [8, 9]]}
+    online.measure_servers({"plain": ("P", prompts), "main": ("M", prompts)}, [16, 64], rounds=2)
+    by = {u: sorted(x[1:] for x in sent if x[0] == u) for u in ("P", "M")}
+    assert by["P"] == by["M"] and len(by["P"]) == 2 * (3 + 3 + 2) + 2 + 1  # rounds x (batch 1, probe, 8) + warm
+    assert all(dict(params)["ignore_eos"] is True for _, params in by["P"]), by["P"]
+    assert {dict(params)["max_new_tokens"] for _, params in by["P"]} == {16, 64, 1, online.WARM_TOKENS}
+    assert online.reply_end([4, 2, 9, 2], {2}) == [4] and online.reply_end([4, 9], {2}) == [4, 9]
+
+
+def test_the_end_of_sequence_ids_are_the_targets_configs_and_tokenizers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert online.eos_token_ids(tmp_path) == {2, 7}
+    assert online.eos_token_ids(tmp_path, type("Tok", (), {"eos_token_id": 9})()) == {2, 7, 9}
+    assert online.eos_token_ids(tmp_path / "none") == set()
+
+
 def test_summarize_speedup_and_breakeven():
     plain = _measured([90.0, 100.0, 130.0])
     spec = _measured([140.0, 150.0, 400.0], accepts=[2.0, 2.6, None])
@@ -1021,7 +1067,20 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     monkeypatch.setattr(online, "measure_servers", with_outputs)
     res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online2", log=lambda *_: None, stored=["a b", "x"],
                          decode=lambda ids: " ".join("ab c"[i - 1] if i < 3 else "c" for i in ids))
-    assert res["outputs_match_stored"]["main"] == {"identical": 0.5, "common_prefix": pytest.approx(0.5)}
+    assert res["outputs_match_stored"]["main"] == {"identical": 0.5, "identical_prompts": 1, "prompts": 2,
+                                                   "common_prefix": pytest.approx(0.5)}
+    # timed replies run past the end-of-sequence token (equal work): compared as far as it, its share counted
+    res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online2b", log=lambda *_: None, stored=["a", "x"],
+                         decode=lambda ids: " ".join("ab c"[i - 1] if i < 3 else "c" for i in ids), eos_ids={2})
+    assert res["outputs_match_stored"]["main"]["identical_prompts"] == 1  # [1, 2] cut to [1]: "a"
+    assert res["tokens_past_eos"]["main"] == pytest.approx(1 / 3)  # of [1, 2] and [3]: the 2
+    m = experiment.summarize(plan, res, {}, {})
+    assert m["main_outputs_identical_to_stored_prompts"] == 1 and m["main_outputs_compared_with_stored"] == 2
+    assert m["main_tokens_past_eos_share"] == pytest.approx(1 / 3)
+    assert m["adaptive_outputs_identical_to_plain_prompts"] == 2 == m["adaptive_outputs_compared_with_plain"]
+    line = experiment.speedup_report(m)
+    assert "median of 1 paired rounds" in line and "1 of 2 prompts identical to stored" in line, line
+    assert "33.3% of main's timed tokens past the end" in line and "2 of 2 prompts identical to plain" in line
     logged = []
     res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online3", log=logged.append, stored=["a b", "x"],
                          decode=lambda ids: 1 / 0)
@@ -1278,8 +1337,11 @@ def test_outputs_compared_to_plain_by_identity_and_common_prefix():
                            "main": srv([[1, 2, 3, 4], [5, 6, 0, 0], None]),
                            "bad": srv([[0, 2, 3, 4], [5, 6, 7, 8, 1], [9, 9]])}}
     m = experiment._outputs_match(results)
-    assert m["main"] == {"identical": 0.5, "common_prefix": pytest.approx((1 + 0.5) / 2)}
+    assert m["main"] == {"identical": 0.5, "identical_prompts": 1, "prompts": 2,
+                         "common_prefix": pytest.approx((1 + 0.5) / 2)}
     assert m["bad"]["identical"] == pytest.approx(1 / 3)
+    # cut at the end-of-sequence token 7 (timed replies go on past it): bad's second reply is plain's to its end
+    assert experiment._outputs_match(results, {7})["bad"]["identical_prompts"] == 2
     assert m["bad"]["common_prefix"] == pytest.approx((0 + 4 / 5 + 1) / 3)
 
 
@@ -1296,7 +1358,7 @@ def test_batch_1_replies_are_held_against_the_data_sets_own_replies():
                            "steps5": srv([[9]])}}
     got = experiment.outputs_match_stored(results, [" the cat sat", "the dog ran\n"], decode)
     assert sorted(got) == ["main", "plain"]  # the two servers 05 holds against the stored text
-    assert got["plain"] == {"identical": 1.0, "common_prefix": 1.0}
+    assert got["plain"] == {"identical": 1.0, "identical_prompts": 2, "prompts": 2, "common_prefix": 1.0}
     assert got["main"]["identical"] == 0.5 and got["main"]["common_prefix"] == pytest.approx((1 + 4 / 11) / 2)
     assert experiment.outputs_match_stored(results, [], decode) == {}
     plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(), offbyone=False,
