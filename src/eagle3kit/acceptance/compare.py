@@ -132,6 +132,8 @@ def sweep(row: dict, kind: str) -> list[tuple[int, float]]:
 def plot(rows: list[dict], path=None):
     import matplotlib.pyplot as plt
 
+    from eagle3kit.plots import say_empty
+
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     a, b, c = axes
     noted = 0  # break-even lines written so far
@@ -160,7 +162,9 @@ def plot(rows: list[dict], path=None):
                            xycoords="axes fraction", fontsize=7, color=bar[0].get_color())
                 noted += 1
     a.set(xlabel="draft steps (chain)", ylabel="accept length (tokens / verify)", title="accept length vs steps")
-    b.axhline(1.0, color="grey", ls=":", lw=1)
+    say_empty(a, "no run has a sweep over draft steps\n(05 with online=True on a GPU, or offline tau by steps)")
+    if not say_empty(b, "no speedup measured: no run served its drafter\n(05 with online=True, on a GPU)"):
+        b.axhline(1.0, color="grey", ls=":", lw=1)
     b.set(xlabel="draft steps (chain)", ylabel="speedup vs plain, batch 1", title="speedup vs steps")
     names = [r["run"] for r in rows]
     bars = [(k, label.format(steps=_steps_label(rows))) for k, label in BARS
@@ -174,11 +178,13 @@ def plot(rows: list[dict], path=None):
             err = [[v - r.get("online_accept_length_ci95_low", nan) for v, r in zip(vals, rows)],
                    [r.get("online_accept_length_ci95_high", nan) - v for v, r in zip(vals, rows)]]
         c.bar([i - 0.4 + (j + 0.5) * width for i in range(len(rows))], vals, width, label=label, yerr=err, capsize=3)
-    top = max([r.get(k) for r in rows for k, _ in bars if isinstance(r.get(k), (int, float))]
-              + [r.get("online_accept_length_ci95_high", 0) for r in rows] + [1.0])
-    c.set_ylim(0, 1.45 * top)  # room above the bars for the legend
-    c.set_xticks(list(range(len(rows))), names, rotation=30, ha="right", fontsize=7)
-    c.set(ylabel="tokens per verify", title="offline vs online by run")
+    c.set(title="offline vs online by run")
+    if not say_empty(c, "no run has offline tau, the offline walk or online accept length"):
+        top = max([r.get(k) for r in rows for k, _ in bars if isinstance(r.get(k), (int, float))]
+                  + [r.get("online_accept_length_ci95_high", 0) for r in rows] + [1.0])
+        c.set_ylim(0, 1.45 * top)  # room above the bars for the legend
+        c.set_xticks(list(range(len(rows))), names, rotation=30, ha="right", fontsize=7)
+        c.set(ylabel="tokens per verify")
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
