@@ -1479,3 +1479,27 @@ def test_compare_cli_names_each_run_left_out_and_fails_when_a_given_run_gives_no
     assert cli.main(["compare", str(tmp_path / "run1"), str(tmp_path / "run9"), "--out", str(tmp_path / "c2")]) == 2
     err = capsys.readouterr().err
     assert "run9: no such file or folder" in err and "1 of the 2 runs given gave no row" in err and "Traceback" not in err
+
+
+def test_a_headline_is_the_median_over_every_comparable_run_each_listed_never_the_best():
+    """Four runs of one recipe at (3,1,4) accept 2.32, 2.48, 2.58, 2.36: the headline is their median (2.42) with
+    each run listed, not the best (2.58); a run served at another setting is another claim; a chain setting's
+    figure is compared across runs by its own name."""
+    runs = [("-11", 2.32, 0.98), ("-12", 2.48, 0.77), ("-13", 2.58, 0.88), ("-15", 2.36, 0.91)]
+    rows = [{"run": r, "online_accept_length": a, "online_speedup": s, "online_serving": "3,1,4",
+             "steps7_speedup": s + 0.1, "online_best_speedup": 1.5} for r, a, s in runs]
+    rows.append({"run": "-16", "online_accept_length": 2.9, "online_serving": "5,1,6", "offline_tau": float("nan"),
+                 "steps7_speedup": 1.2})
+    hs = {(h["claim"], h["setting"]): h for h in compare.headlines(rows)}
+    acc = hs["online_accept_length", "3,1,4"]
+    assert acc["median"] == pytest.approx(2.42) and acc["runs"] == 4 and (acc["min"], acc["max"]) == (2.32, 2.58)
+    assert acc["each"] == [("-11", 2.32), ("-12", 2.48), ("-13", 2.58), ("-15", 2.36)]
+    assert hs["online_accept_length", "5,1,6"]["median"] == 2.9 and hs["online_accept_length", "5,1,6"]["runs"] == 1
+    assert hs["online_speedup", "3,1,4"]["median"] == pytest.approx(0.895)
+    assert hs["steps7_speedup", ""]["runs"] == 5 and hs["steps7_speedup", ""]["median"] == pytest.approx(1.01)
+    assert not any(c == "online_best_speedup" or c == "offline_tau" for c, _ in hs)  # a pick, and a nan: no claim
+    text = compare.headline_table(rows)
+    assert "2.420" in text and "-13 2.580" in text and "-11 2.320" in text
+    m = compare.headline_metrics(rows)
+    assert m["headline_online_accept_length_3_1_4_median"] == pytest.approx(2.42)
+    assert m["headline_online_accept_length_3_1_4_runs"] == 4 and m["headline_steps7_speedup_runs"] == 5
