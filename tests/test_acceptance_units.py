@@ -744,14 +744,86 @@ def test_accept_length_at_another_concurrency_on_the_prompts_batch_1_used(monkey
     assert "online_accept_length_on_batch1_prompts" not in m
 
 
+def test_every_timed_request_asks_plain_and_speculative_servers_for_the_same_work(monkeypatch):
+    """Equal work: the request payloads of plain and of the speculative server carry the same max_new_tokens and
+    ignore_eos (true) for every prompt, in the timed rounds at every concurrency, the warm passes and the one-token
+    probe alike, so tokens/s compare the same number of generated tokens per prompt whatever text each produced."""
+    import requests
+
+    sent = []
+
+    class Reply:
+        def __init__(self, n):
+            self.n = n
+
+        def raise_for_status(self):
+            pass
+
+        def json(self):
+            return {"output_ids": [5] * self.n, "meta_info": {"completion_tokens": self.n, "e2e_latency": 0.01}}
+
+    class Session:
+        def post(self, url, timeout=None, json=None):
+            sent.append((url.split("/")[0], tuple(json["input_ids"]), tuple(sorted(json["sampling_params"].items()))))
+            return Reply(json["sampling_params"]["max_new_tokens"])
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(requests, "Session", Session)
+    monkeypatch.setattr(online, "flush", lambda url: None)
+    monkeypatch.setattr(online, "server_accept_length", lambda url: None)
+    prompts = {1: [[1, 2], [3], [4, 5, 6]], 8: [[7], [8, 9]]}
+    online.measure_servers({"plain": ("P", prompts), "main": ("M", prompts)}, [16, 64], rounds=2)
+    by = {u: sorted(x[1:] for x in sent if x[0] == u) for u in ("P", "M")}
+    assert by["P"] == by["M"] and len(by["P"]) == 2 * (3 + 3 + 2) + 2 + 1  # rounds x (batch 1, probe, 8) + warm
+    assert all(dict(params)["ignore_eos"] is True for _, params in by["P"]), by["P"]
+    assert {dict(params)["max_new_tokens"] for _, params in by["P"]} == {16, 64, 1, online.WARM_TOKENS}
+    assert online.reply_end([4, 2, 9, 2], {2}) == [4] and online.reply_end([4, 9], {2}) == [4, 9]
+
+
+def test_the_end_of_sequence_ids_are_the_targets_configs_and_tokenizers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert online.eos_token_ids(tmp_path) == {2, 7}
+    assert online.eos_token_ids(tmp_path, type("Tok", (), {"eos_token_id": 9})()) == {2, 7, 9}
+    assert online.eos_token_ids(tmp_path / "none") == set()
+
+
 def test_summarize_speedup_and_breakeven():
     plain = _measured([90.0, 100.0, 130.0])
     spec = _measured([140.0, 150.0, 400.0], accepts=[2.0, 2.6, None])
     s = online.summarize(plain, spec, 1)
-    assert s["speedup"] == pytest.approx(1.5)  # medians, not means
+    assert s["speedup"] == pytest.approx(140 / 90)  # the median of the rounds' ratios (1.56, 1.5, 3.08), not means
     assert s["accept_length"] == pytest.approx(2.3)
-    assert s["breakeven_accept_length"] == pytest.approx(2.3 / 1.5)
+    assert s["breakeven_accept_length"] == pytest.approx(2.3 / (140 / 90))
     assert s["plain_tokens_per_s"] == 100.0 and s["spec_tokens_per_s"] == 150.0
+
+
+def test_the_speedup_is_the_median_of_the_paired_rounds_not_the_ratio_of_medians():
+    """Rounds run back to back, each server's round i at the same moment: the speedup is the median of round i's
+    spec / plain, with each round's ratio and their range beside it. Here the medians' ratio (150 / 200 = 0.75)
+    pairs plain's second round with spec's second round only by chance of order; the paired median is 0.83."""
+    from eagle3kit.acceptance import experiment
+
+    plain, spec = _measured([100.0, 200.0, 300.0]), _measured([150.0, 150.0, 250.0], accepts=[2.0, 2.0, 2.0])
+    assert online.paired_speedups(plain[1], spec[1]) == pytest.approx([1.5, 0.75, 250 / 300])
+    assert online.paired_speedup(plain[1], spec[1]) == pytest.approx(250 / 300)
+    assert online.summarize(plain, spec, 1)["speedup"] == pytest.approx(250 / 300)
+    assert online.paired_speedup(plain[1], {"rounds": []}) is None  # no round measured by both: no figure
+    plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3, 5), trees=(),
+                                 concurrencies=(1,), offbyone=False, proof=False)
+    srv = {"plain": plain, "main": spec, "steps5": _measured([90.0, 260.0, 330.0], accepts=[3.0] * 3)}
+    results = {"servers": {k: {"by_concurrency": v} for k, v in srv.items()}}
+    results["servers"]["steps5"]["setting"] = [5, 1, 6]
+    m = experiment.summarize(plan, results, {}, {})
+    assert m["online_speedup"] == pytest.approx(250 / 300) == m["steps3_speedup"]
+    assert [m[f"online_speedup_round{i}"] for i in range(3)] == pytest.approx([1.5, 0.75, 250 / 300])
+    assert (m["online_speedup_rounds_min"], m["online_speedup_rounds_max"]) == pytest.approx((0.75, 1.5))
+    assert m["online_speedup_medians_ratio"] == pytest.approx(0.75)  # the old figure, kept beside it
+    assert m["steps5_speedup"] == pytest.approx(1.1) and m["steps5_speedup_medians_ratio"] == pytest.approx(1.3)
+    assert m["steps3_speedup_round1"] == m["online_speedup_round1"]  # main is the sweep's point at its setting
+    assert m["online_best_setting"] == "steps5 (5,1,6)" and m["online_best_speedup"] == pytest.approx(1.1)
 
 
 def test_summarize_without_accept_or_plain_speed():
@@ -995,7 +1067,20 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     monkeypatch.setattr(online, "measure_servers", with_outputs)
     res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online2", log=lambda *_: None, stored=["a b", "x"],
                          decode=lambda ids: " ".join("ab c"[i - 1] if i < 3 else "c" for i in ids))
-    assert res["outputs_match_stored"]["main"] == {"identical": 0.5, "common_prefix": pytest.approx(0.5)}
+    assert res["outputs_match_stored"]["main"] == {"identical": 0.5, "identical_prompts": 1, "prompts": 2,
+                                                   "common_prefix": pytest.approx(0.5)}
+    # timed replies run past the end-of-sequence token (equal work): compared as far as it, its share counted
+    res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online2b", log=lambda *_: None, stored=["a", "x"],
+                         decode=lambda ids: " ".join("ab c"[i - 1] if i < 3 else "c" for i in ids), eos_ids={2})
+    assert res["outputs_match_stored"]["main"]["identical_prompts"] == 1  # [1, 2] cut to [1]: "a"
+    assert res["tokens_past_eos"]["main"] == pytest.approx(1 / 3)  # of [1, 2] and [3]: the 2
+    m = experiment.summarize(plan, res, {}, {})
+    assert m["main_outputs_identical_to_stored_prompts"] == 1 and m["main_outputs_compared_with_stored"] == 2
+    assert m["main_tokens_past_eos_share"] == pytest.approx(1 / 3)
+    assert m["adaptive_outputs_identical_to_plain_prompts"] == 2 == m["adaptive_outputs_compared_with_plain"]
+    line = experiment.speedup_report(m)
+    assert "median of 1 paired rounds" in line and "1 of 2 prompts identical to stored" in line, line
+    assert "33.3% of main's timed tokens past the end" in line and "2 of 2 prompts identical to plain" in line
     logged = []
     res = experiment.run(plan, [[1, 2]] * 4, tmp_path / "online3", log=logged.append, stored=["a b", "x"],
                          decode=lambda ids: 1 / 0)
@@ -1013,7 +1098,8 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     assert all(k.isidentifier() for k in m), [k for k in m if not k.isidentifier()]
     assert m["adaptive_outputs_identical_to_plain"] == 0.5 and m["fi_plain_common_prefix_with_plain"] == 0.75
     assert m["main_outputs_identical_to_plain"] == 0.5 and m["fi_outputs_identical_to_plain"] == 0.5
-    assert m["adaptive_speedup"] == pytest.approx(255 / 200) and m["adaptive_speedup_c8"] == pytest.approx(0.95)
+    # its rounds' ratios 1.2 and 1.3 (the medians' ratio 255 / 200 would give 1.275)
+    assert m["adaptive_speedup"] == pytest.approx(1.25) and m["adaptive_speedup_c8"] == pytest.approx(0.95)
     assert m["adaptive_accept_length_c8"] == pytest.approx(1.2) and m["adaptive_plain_tokens_per_s_c8"] == 1000.0
     assert m["adaptive_speedup_c8_rounds_min"] == pytest.approx(0.95) and "adaptive_breakeven_accept_length_c8" not in m
 
@@ -1077,7 +1163,8 @@ def test_experiment_summary_names_the_fastest_setting_and_each_settings_spread(t
     results["servers"]["plain"]["by_concurrency"] = _measured([125.0, 100.0])  # plain fast in round 0, slow in 1
     m = experiment.summarize(plan, results, {}, {})  # round by round, not fastest with fastest: 110/125 and 120/100
     assert (m["steps7_speedup_rounds_min"], m["steps7_speedup_rounds_max"]) == pytest.approx((0.88, 1.2))
-    assert m["steps7_speedup"] == pytest.approx(115 / 112.5)  # the medians' ratio hides that one round lost
+    assert m["steps7_speedup"] == pytest.approx((110 / 125 + 1.2) / 2)  # the paired rounds' median (2 rounds)
+    assert m["steps7_speedup_medians_ratio"] == pytest.approx(115 / 112.5)  # the medians' ratio pairs no rounds
     results["servers"]["plain"]["by_concurrency"] = _measured([100.0, 100.0])
     results["servers"]["steps7"]["by_concurrency"] = _measured([130.0, 130.0], [2.6, 2.6])
     assert experiment.summarize(plan, results, {}, {})["online_best_setting"] == "steps7 (7,1,8)"
@@ -1112,24 +1199,27 @@ def test_a_serving_flag_is_judged_against_sglangs_defaults_and_the_fastest_plain
     settings = {"main": [3, 1, 4], "steps7": [7, 1, 8], "main-bcg": [3, 1, 4]}
     results = {"servers": {k: {"by_concurrency": v, "setting": settings.get(k)} for k, v in srv.items()}}
     m = experiment.summarize(plan, results, {}, {})
-    assert m["bcg_speedup"] == pytest.approx(112 / 98)  # against its own plain, which the flag slowed
-    assert m["bcg_speedup_vs_plain"] == pytest.approx(112 / 102)  # against SGLang's defaults
+    paired = statistics.median  # of the rounds' ratios, each against plain's round of the same moment
+    assert m["bcg_speedup"] == pytest.approx(paired([110 / 96, 114 / 100]))  # against its own plain, slowed by the flag
+    assert m["bcg_speedup_vs_plain"] == pytest.approx(paired([110 / 100, 114 / 104]))  # against SGLang's defaults
     assert (m["bcg_speedup_vs_plain_rounds_min"], m["bcg_speedup_vs_plain_rounds_max"]) == pytest.approx(
         (114 / 104, 110 / 100))  # round by round
     assert m["online_best_setting"] == "main-bcg (3,1,4) --cuda-graph-backend-prefill breakable"
-    assert m["online_best_baseline"] == "plain" and m["online_best_speedup"] == pytest.approx(112 / 102)
+    assert m["online_best_baseline"] == "plain" and m["online_best_speedup"] == m["bcg_speedup_vs_plain"]
     assert m["online_best_speedup_rounds_min"] == pytest.approx(114 / 104) and m["online_best_accept_length"] == 2.5
     # the flag speeds plain more than main: the best is judged against that plain, not the slower default
     results["servers"]["plain-bcg"]["by_concurrency"] = _measured([120.0, 124.0])
     m = experiment.summarize(plan, results, {}, {})
     assert m["online_best_baseline"] == "plain-bcg" and m["online_best_setting"] == "main-bcg (3,1,4) " + " ".join(bcg)
-    assert m["online_best_speedup"] == pytest.approx(112 / 122) and m["bcg_speedup_vs_plain"] == pytest.approx(112 / 102)
+    assert m["online_best_speedup"] == pytest.approx(paired([110 / 120, 114 / 124]))
+    assert m["bcg_speedup_vs_plain"] == pytest.approx(paired([110 / 100, 114 / 104]))
     head = compare.table([{"run": "r", **m}]).splitlines()[0].split()  # 06's table: the baseline and the variant
     assert {"online_best_baseline", "bcg_speedup_vs_plain"} <= set(head)
     # without the variant's main, the sweep's best against the faster plain
     del results["servers"]["main-bcg"]
     m = experiment.summarize(plan, results, {}, {})
-    assert m["online_best_setting"] == "steps7 (7,1,8)" and m["online_best_speedup"] == pytest.approx(107 / 122)
+    assert m["online_best_setting"] == "steps7 (7,1,8)"
+    assert m["online_best_speedup"] == pytest.approx(paired([106 / 120, 108 / 124]))
     # a speculative-only variant has no plain of its own: it is judged against plain, and no vs_plain twin is written
     plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(),
                                  variants={"adaptive": ["--speculative-adaptive"]}, concurrencies=(1,))
@@ -1247,8 +1337,11 @@ def test_outputs_compared_to_plain_by_identity_and_common_prefix():
                            "main": srv([[1, 2, 3, 4], [5, 6, 0, 0], None]),
                            "bad": srv([[0, 2, 3, 4], [5, 6, 7, 8, 1], [9, 9]])}}
     m = experiment._outputs_match(results)
-    assert m["main"] == {"identical": 0.5, "common_prefix": pytest.approx((1 + 0.5) / 2)}
+    assert m["main"] == {"identical": 0.5, "identical_prompts": 1, "prompts": 2,
+                         "common_prefix": pytest.approx((1 + 0.5) / 2)}
     assert m["bad"]["identical"] == pytest.approx(1 / 3)
+    # cut at the end-of-sequence token 7 (timed replies go on past it): bad's second reply is plain's to its end
+    assert experiment._outputs_match(results, {7})["bad"]["identical_prompts"] == 2
     assert m["bad"]["common_prefix"] == pytest.approx((0 + 4 / 5 + 1) / 3)
 
 
@@ -1265,7 +1358,7 @@ def test_batch_1_replies_are_held_against_the_data_sets_own_replies():
                            "steps5": srv([[9]])}}
     got = experiment.outputs_match_stored(results, [" the cat sat", "the dog ran\n"], decode)
     assert sorted(got) == ["main", "plain"]  # the two servers 05 holds against the stored text
-    assert got["plain"] == {"identical": 1.0, "common_prefix": 1.0}
+    assert got["plain"] == {"identical": 1.0, "identical_prompts": 2, "prompts": 2, "common_prefix": 1.0}
     assert got["main"]["identical"] == 0.5 and got["main"]["common_prefix"] == pytest.approx((1 + 4 / 11) / 2)
     assert experiment.outputs_match_stored(results, [], decode) == {}
     plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(), offbyone=False,
@@ -1386,3 +1479,27 @@ def test_compare_cli_names_each_run_left_out_and_fails_when_a_given_run_gives_no
     assert cli.main(["compare", str(tmp_path / "run1"), str(tmp_path / "run9"), "--out", str(tmp_path / "c2")]) == 2
     err = capsys.readouterr().err
     assert "run9: no such file or folder" in err and "1 of the 2 runs given gave no row" in err and "Traceback" not in err
+
+
+def test_a_headline_is_the_median_over_every_comparable_run_each_listed_never_the_best():
+    """Four runs of one recipe at (3,1,4) accept 2.32, 2.48, 2.58, 2.36: the headline is their median (2.42) with
+    each run listed, not the best (2.58); a run served at another setting is another claim; a chain setting's
+    figure is compared across runs by its own name."""
+    runs = [("-11", 2.32, 0.98), ("-12", 2.48, 0.77), ("-13", 2.58, 0.88), ("-15", 2.36, 0.91)]
+    rows = [{"run": r, "online_accept_length": a, "online_speedup": s, "online_serving": "3,1,4",
+             "steps7_speedup": s + 0.1, "online_best_speedup": 1.5} for r, a, s in runs]
+    rows.append({"run": "-16", "online_accept_length": 2.9, "online_serving": "5,1,6", "offline_tau": float("nan"),
+                 "steps7_speedup": 1.2})
+    hs = {(h["claim"], h["setting"]): h for h in compare.headlines(rows)}
+    acc = hs["online_accept_length", "3,1,4"]
+    assert acc["median"] == pytest.approx(2.42) and acc["runs"] == 4 and (acc["min"], acc["max"]) == (2.32, 2.58)
+    assert acc["each"] == [("-11", 2.32), ("-12", 2.48), ("-13", 2.58), ("-15", 2.36)]
+    assert hs["online_accept_length", "5,1,6"]["median"] == 2.9 and hs["online_accept_length", "5,1,6"]["runs"] == 1
+    assert hs["online_speedup", "3,1,4"]["median"] == pytest.approx(0.895)
+    assert hs["steps7_speedup", ""]["runs"] == 5 and hs["steps7_speedup", ""]["median"] == pytest.approx(1.01)
+    assert not any(c == "online_best_speedup" or c == "offline_tau" for c, _ in hs)  # a pick, and a nan: no claim
+    text = compare.headline_table(rows)
+    assert "2.420" in text and "-13 2.580" in text and "-11 2.320" in text
+    m = compare.headline_metrics(rows)
+    assert m["headline_online_accept_length_3_1_4_median"] == pytest.approx(2.42)
+    assert m["headline_online_accept_length_3_1_4_runs"] == 4 and m["headline_steps7_speedup_runs"] == 5

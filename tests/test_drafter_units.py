@@ -519,3 +519,31 @@ def test_step_loss_equals_the_textbook_formula_with_its_gradient(kind):
     bf16 = step_loss(logits.bfloat16(), t, valid, 1, kind)[0]  # bf16 logits: the float32 log-softmax reads them
     assert bf16.dtype == torch.float32 and float(bf16) == pytest.approx(
         float(step_loss(logits.bfloat16().float(), t, valid, 1, kind)[0]), rel=1e-6)
+
+
+def test_the_validation_carve_out_is_fixed_disjoint_and_never_the_whole_train_split():
+    """val_percent of the train split's samples, drawn by a seeded permutation: the same ones at every call (a resume,
+    another training seed), apart from the samples trained on, each in the source's order; 0: none; all: refused."""
+    from eagle3kit.drafter import data as D
+
+    class Src:
+        def __init__(self, n):
+            self.n = n
+
+        def __len__(self):
+            return self.n
+
+        def length(self, i):
+            return 10 + i
+
+    train, val = D.carve_validation(Src(40), 10)
+    again_train, again_val = D.carve_validation(Src(40), 10)
+    assert len(val) == 4 and len(train) == 36 and val.indices == again_val.indices and train.indices == again_train.indices
+    assert not set(val.indices) & set(train.indices) and sorted(val.indices + train.indices) == list(range(40))
+    assert val.indices == sorted(val.indices) and val.indices != [0, 1, 2, 3]  # drawn, not the first ones
+    assert [val.length(i) for i in range(len(val))] == [10 + j for j in val.indices]  # read through to the source
+    assert len(D.carve_validation(Src(7), 5)[1]) == 1  # at least one sample where the share rounds to none
+    src = Src(5)
+    assert D.carve_validation(src, 0) == (src, None)
+    with pytest.raises(ValueError, match="val_percent=90: 2 of the 2 training samples.*none left to train on"):
+        D.carve_validation(Src(2), 90)

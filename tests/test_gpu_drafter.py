@@ -33,7 +33,10 @@ def test_trained_drafter_served_by_sglang(tmp_path, target_path):
     assert prompts, "no held-out prompts"
     plan = experiment.OnlinePlan(target=str(target_path), drafter=str(out / "best"), sweep_steps=(3,), trees=(),
                                  concurrencies=(1,), prompts_per_conc={1: 4}, max_new_tokens=32, rounds=1)
-    results = experiment.run(plan, prompts, tmp_path / "online")
+    results = experiment.run(plan, prompts, tmp_path / "online", eos_ids=online.eos_token_ids(target_path, tok))
+    # equal work: SGLang gave plain and the drafter's server every token asked for (ignore_eos), no reply cut short
+    done = {n: results["servers"][n]["by_concurrency"][1]["rounds"][0]["output_tokens"] for n in ("plain", "main")}
+    assert done == {"plain": 4 * 32, "main": 4 * 32}, done
     proofs = experiment.prove(plan, results, tmp_path / "online", device="cuda")
     m = experiment.summarize(plan, results, proofs, {})
     report = Path(os.environ.get("E3K_TEST_OUT", tmp_path)) / "gpu-drafter-test.json"

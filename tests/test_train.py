@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from eagle3kit.drafter import data as D
 from eagle3kit.drafter.train import TrainConfig, TrainError, train
 from tests.conftest import ROOT
 
@@ -749,3 +751,44 @@ def test_a_plan_cut_to_the_next_step_ends_that_step_at_the_minimum_lr(small_data
     assert s["train_steps"] == s["train_total_steps_fitted"] == 5 == len(rows), s  # fitted after step 1 + 3
     assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio, rel=1e-6)
     assert rows[-2]["lr"] > 2 * rows[-1]["lr"]  # the plan of 50 epochs was still in its warmup
+
+
+def test_the_best_checkpoint_is_chosen_on_validation_samples_and_the_held_out_split_only_reports(small_dataset,
+                                                                                                  tmp_path, monkeypatch):
+    """Validation samples (val_percent of the train split, never trained on) and the held-out split disagree on the
+    best step: best/ follows validation (step 2), and the reported held-out figures are that checkpoint's, not the
+    held-out split's own best (step 4)."""
+    import eagle3kit.drafter.train as T
+
+    val_tau, held_tau = {0: 1.0, 1: 1.5, 2: 2.0, 3: 1.8, 4: 1.2}, {0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6, 4: 2.2}
+    steps, exported = [], []
+
+    class Counts:
+        valid = [1]
+
+        def __init__(self, tau):
+            self.tau = tau
+
+        def metrics(self, prefix=""):
+            return {f"{prefix}tau_2": self.tau, f"{prefix}acc_pos0": self.tau / 4}
+
+    def fake_evaluate(run, steps_=None, source=None, **kw):
+        log = Path(run.cfg.out_dir) / "train_log.jsonl"  # the steps taken so far
+        step = len(log.read_text().splitlines()) if log.exists() else 0
+        steps.append((step, source is run.val_src))
+        return Counts((val_tau if source is run.val_src else held_tau)[step])
+
+    real_export = T.export
+    monkeypatch.setattr(T, "evaluate", fake_evaluate)
+    monkeypatch.setattr(T, "export", lambda run, dest, extra=None: exported.append((dest.name, extra.get("step")))
+                        or real_export(run, dest, extra))
+    s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "v"), max_steps=4, eval_every=1,
+                          val_percent=20, **TINY))
+    assert sorted(steps) == [(k, v) for k in range(5) for v in (False, True)], steps  # every evaluation scores both
+    assert s["best_step"] == 2 and s["train_best_chosen_by"] == "validation" and s["val_tau_2"] == 2.0
+    assert s["heldout_tau_2"] == 1.4 == s["offline_tau"]  # the chosen checkpoint's held-out tau, reported
+    assert [x for x in exported if x[0] == "best"][-1] == ("best", 2)
+    data_train = len(D.open_source(small_dataset, "train"))
+    assert s["val_samples"] == round(data_train * 0.2) and s["train_samples"] + s["val_samples"] == data_train
+    s0 = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "n"), max_steps=1, val_percent=0, **TINY))
+    assert s0["val_samples"] == 0 and s0["train_best_chosen_by"] == "latest" and s0["best_step"] == 1

@@ -12,6 +12,18 @@ def _save(fig, path):
     return fig
 
 
+def say_empty(ax, what: str) -> bool:
+    """A panel without data says so in the panel (``what``: which data it lacks and why), with no ticks to suggest a
+    scale; empty axes read as a plot that failed, or as values of 0. Returns True when it wrote, so a caller can
+    write ``if not data: say_empty(...)``: nothing is written where the panel holds a line, a bar or an image."""
+    if ax.lines or ax.patches or ax.collections or ax.images or ax.containers:
+        return False
+    ax.text(0.5, 0.5, what, ha="center", va="center", wrap=True, fontsize=8, color="#555555", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    return True
+
+
 def bars(labels, values, title, ylabel, path=None, log=False, threshold=None, xlabel=None):
     """Bars with each value written on it, on a scale where they are visible (a bar of 0 or 0.002 still reads)."""
     fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(labels) + 2), 3))
@@ -46,7 +58,9 @@ def train_curves(log: list[dict], evals: list[dict], ttt_steps: int, loss: str, 
         e = [(r["step"], r[f"heldout_acc_pos{k}"]) for r in evals if f"heldout_acc_pos{k}" in r]
         if e:
             b.plot(*zip(*e), "o-", ms=3, label=f"position {k}")
-    b.axhline(baseline, color="grey", ls=":", label="most frequent token (pos 0)")
+    say_empty(a, "no training steps logged")
+    if not say_empty(b, "no held-out evaluation logged"):
+        b.axhline(baseline, color="grey", ls=":", label="most frequent token (pos 0)")
     a.set(xlabel="optimizer step", ylabel=f"training loss ({loss}, nats)", title="training loss per TTT position")
     b.set(xlabel="optimizer step", ylabel="held-out acceptance through k (fraction)",
           title="held-out acceptance per position")

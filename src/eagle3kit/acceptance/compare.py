@@ -120,6 +120,62 @@ def table(rows: list[dict]) -> str:
     return fmt([{c: r.get(c, "") for c in cols} for r in rows], cols, floatfmt="{:.3f}")
 
 
+# the claims a headline may state: main's figures (at the run's serving setting) and each chain setting's
+HEADLINE_KEYS = ("offline_tau", "offline_walk_accept_length", "online_accept_length", "online_speedup",
+                 "online_speedup_c8", "online_speedup_c32", "breakeven_accept_length")
+HEADLINE_SETTING = re.compile(r"steps\d+_(accept_length|speedup)")  # a chain setting's figure: its setting in its name
+
+
+def headlines(rows: list[dict]) -> list[dict]:
+    """Each claim as every comparable run measured it: per figure (``HEADLINE_KEYS`` at one serving setting, or a
+    chain setting's own ``steps<n>_accept_length`` / ``_speedup``), the median over the runs that have it, their
+    count and range, and every run's value in the order given. Never the best run: a headline is this median with
+    its runs listed (the fastest of four runs is the top of their spread, not what a user should expect). The
+    within-run pick of the fastest setting (``online_best_*``) is no claim here for the same reason."""
+    import statistics
+
+    groups: dict = {}
+    for r in rows:
+        setting = ",".join(map(str, serving_of(r) or ("?",)))
+        for k, v in r.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
+                continue
+            if k in HEADLINE_KEYS:
+                groups.setdefault((k, setting), []).append((r["run"], float(v)))
+            elif HEADLINE_SETTING.fullmatch(k):
+                groups.setdefault((k, ""), []).append((r["run"], float(v)))
+    out = []
+    for (k, setting), runs in sorted(groups.items(), key=lambda g: (_claim_order(g[0][0]), g[0])):
+        vals = [v for _, v in runs]
+        out.append({"claim": k, "setting": setting, "median": statistics.median(vals), "runs": len(runs),
+                    "min": min(vals), "max": max(vals), "each": runs})
+    return out
+
+
+def _claim_order(key: str) -> tuple:
+    return (HEADLINE_KEYS.index(key), 0) if key in HEADLINE_KEYS else \
+        (len(HEADLINE_KEYS), int(re.search(r"\d+", key).group()))
+
+
+def headline_table(rows: list[dict]) -> str:
+    """``headlines`` as text: claim, serving setting, median over runs, how many, their range, each run's value."""
+    from eagle3kit.plots import table as fmt
+
+    return fmt([{"claim": h["claim"], "serving": h["setting"], "median": h["median"], "runs": h["runs"],
+                 "range": f"{h['min']:.3f}-{h['max']:.3f}",
+                 "each run": ", ".join(f"{run} {v:.3f}" for run, v in h["each"])} for h in headlines(rows)],
+               floatfmt="{:.3f}")
+
+
+def headline_metrics(rows: list[dict]) -> dict:
+    """``headlines`` as flat metrics for 06's record: ``headline_<claim>[_<setting>]_median`` and ``_runs``."""
+    m = {}
+    for h in headlines(rows):
+        key = f"headline_{h['claim']}" + (f"_{h['setting'].replace(',', '_')}" if h["setting"] else "")
+        m[f"{key}_median"], m[f"{key}_runs"] = h["median"], h["runs"]
+    return m
+
+
 def sweep(row: dict, kind: str) -> list[tuple[int, float]]:
     """(steps, value) of a run's chain sweep: kind 'accept' (online), 'speedup', 'offline' (tau) or 'walk' (the
     offline serving walk, for every chain length evaluated)."""
@@ -131,6 +187,8 @@ def sweep(row: dict, kind: str) -> list[tuple[int, float]]:
 
 def plot(rows: list[dict], path=None):
     import matplotlib.pyplot as plt
+
+    from eagle3kit.plots import say_empty
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     a, b, c = axes
@@ -160,7 +218,9 @@ def plot(rows: list[dict], path=None):
                            xycoords="axes fraction", fontsize=7, color=bar[0].get_color())
                 noted += 1
     a.set(xlabel="draft steps (chain)", ylabel="accept length (tokens / verify)", title="accept length vs steps")
-    b.axhline(1.0, color="grey", ls=":", lw=1)
+    say_empty(a, "no run has a sweep over draft steps\n(05 with online=True on a GPU, or offline tau by steps)")
+    if not say_empty(b, "no speedup measured: no run served its drafter\n(05 with online=True, on a GPU)"):
+        b.axhline(1.0, color="grey", ls=":", lw=1)
     b.set(xlabel="draft steps (chain)", ylabel="speedup vs plain, batch 1", title="speedup vs steps")
     names = [r["run"] for r in rows]
     bars = [(k, label.format(steps=_steps_label(rows))) for k, label in BARS
@@ -174,11 +234,13 @@ def plot(rows: list[dict], path=None):
             err = [[v - r.get("online_accept_length_ci95_low", nan) for v, r in zip(vals, rows)],
                    [r.get("online_accept_length_ci95_high", nan) - v for v, r in zip(vals, rows)]]
         c.bar([i - 0.4 + (j + 0.5) * width for i in range(len(rows))], vals, width, label=label, yerr=err, capsize=3)
-    top = max([r.get(k) for r in rows for k, _ in bars if isinstance(r.get(k), (int, float))]
-              + [r.get("online_accept_length_ci95_high", 0) for r in rows] + [1.0])
-    c.set_ylim(0, 1.45 * top)  # room above the bars for the legend
-    c.set_xticks(list(range(len(rows))), names, rotation=30, ha="right", fontsize=7)
-    c.set(ylabel="tokens per verify", title="offline vs online by run")
+    c.set(title="offline vs online by run")
+    if not say_empty(c, "no run has offline tau, the offline walk or online accept length"):
+        top = max([r.get(k) for r in rows for k, _ in bars if isinstance(r.get(k), (int, float))]
+                  + [r.get("online_accept_length_ci95_high", 0) for r in rows] + [1.0])
+        c.set_ylim(0, 1.45 * top)  # room above the bars for the legend
+        c.set_xticks(list(range(len(rows))), names, rotation=30, ha="right", fontsize=7)
+        c.set(ylabel="tokens per verify")
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
@@ -244,7 +306,8 @@ def controls_plot(m: dict, title: str, path=None):
 
 def write_report(rows: list[dict], out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    text = table(rows)
+    text = f"{table(rows)}\n\neach claim over the runs that measured it (median, never the best run):\n" \
+           f"{headline_table(rows)}"
     (out / "compare.txt").write_text(text + "\n")
     plot(rows, out / "compare.png")
     return f"{text}\n\nwritten: {out / 'compare.txt'}, {out / 'compare.png'}"

@@ -131,13 +131,16 @@ def export_offbyone(drafter: str, dest: Path) -> list[int]:
     return ids
 
 
-def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=None, stored=None, decode=None) -> dict:
+def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=None, stored=None, decode=None,
+        eos_ids=None) -> dict:
     """Start, send the proof requests, measure, stop. Returns {"servers": per-server measurements, "failed": ...}.
     ``on_proof(results)``: called once the proof and off-by-one servers have answered their requests (their draft
     hooks' records are on disk), before the timed rounds, so the proof is made and recorded even when a time limit
     ends the rounds (it came after them, and was lost with them in gpu-drafter-pipeline-9). Its errors are logged,
     never raised: the measurements go on. ``stored``, ``decode``: the data set's replies to batch 1's prompts and a
-    token decoder, for ``outputs_match_stored``."""
+    token decoder, for ``outputs_match_stored``. ``eos_ids``: the target's end-of-sequence ids
+    (``online.eos_token_ids``): timed replies run past them (equal work, ``online.sampling_params``), so the texts are
+    compared as far as the first of them, and each server's share of timed tokens past it is kept."""
     from eagle3kit.capture.server import stop_all
 
     work = Path(work)
@@ -210,10 +213,13 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=No
         log(f"{len(timed)} servers, {plan.rounds} interleaved rounds: {time.time() - t1:.0f} s")
     finally:
         stop_all(servers.values())
-    results["outputs_match_plain"] = _outputs_match(results)
+    eos = set(eos_ids or ())
+    results["outputs_match_plain"] = _outputs_match(results, eos)
+    if eos:
+        results["tokens_past_eos"] = tokens_past_eos(results, eos)
     if stored and decode is not None:
         try:  # a side figure: it never costs the measurements above
-            results["outputs_match_stored"] = outputs_match_stored(results, stored, decode)
+            results["outputs_match_stored"] = outputs_match_stored(results, stored, decode, eos)
         except Exception as e:  # noqa: BLE001
             log(f"stored replies not compared: {type(e).__name__}: {e}")
     for r in results["servers"].values():
@@ -313,34 +319,56 @@ def _proof_requests(url: str, prompts) -> None:
                                                         "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}})
 
 
-def _outputs_match(results: dict) -> dict:
+def _replies(r: dict, eos: set) -> list:
+    """Batch 1's replies of one server's first round, each cut at its first end-of-sequence token (``eos``)."""
+    return [online.reply_end(ids, eos) for ids in r["by_concurrency"][1]["rounds"][0].get("_outputs") or []]
+
+
+def _outputs_match(results: dict, eos: set = frozenset()) -> dict:
     """Greedy speculative decoding should give the plain target's tokens; bf16 verify forwards and plain decode
     part at near-ties, so besides whole-reply identity: the mean share of each reply before the first difference.
-    Returns {server: {"identical": share of batch-1 replies, "common_prefix": mean fraction}}."""
+    Replies are compared as far as their first end-of-sequence token (``eos``: the timed requests go on past it).
+    Returns {server: ``_match``'s figures} of batch 1's replies."""
     plain = results["servers"].get("plain")
     if not plain:
         return {}
-    base = plain["by_concurrency"][1]["rounds"][0].get("_outputs") or []
+    base = _replies(plain, eos)
     out = {}
     for name, r in results["servers"].items():
         if name == "plain" or "by_concurrency" not in r:
             continue
-        m = _match(base, r["by_concurrency"][1]["rounds"][0].get("_outputs") or [])
+        m = _match(base, _replies(r, eos))
         if m:
             out[name] = m
     return out
 
 
+def tokens_past_eos(results: dict, eos: set) -> dict:
+    """Per server, the share of batch 1's timed tokens (first round) that came after the reply's first
+    end-of-sequence token: the part of the equal work that no stopping request would have done."""
+    out = {}
+    for name, r in results["servers"].items():
+        outs = [ids for ids in (r.get("by_concurrency", {}).get(1, {}).get("rounds") or [{}])[0].get("_outputs") or []
+                if ids]
+        total = sum(len(ids) for ids in outs)
+        if total:
+            out[name] = sum(len(ids) - len(online.reply_end(ids, eos)) for ids in outs) / total
+    return out
+
+
 def _match(base: list, outs: list) -> dict:
-    """{"identical", "common_prefix"} of two lists of replies (token ids or texts), pair by pair; {} without pairs."""
+    """Two lists of replies (token ids or texts), pair by pair: "identical" (share of pairs), "identical_prompts" (how
+    many), "prompts" (pairs compared), "common_prefix" (mean share of a reply before the first difference); {}
+    without pairs."""
     pairs = [(a, b) for a, b in zip(base, outs) if a and b]
     if not pairs:
         return {}
-    return {"identical": sum(a == b for a, b in pairs) / len(pairs),
+    same = sum(a == b for a, b in pairs)
+    return {"identical": same / len(pairs), "identical_prompts": same, "prompts": len(pairs),
             "common_prefix": statistics.fmean(_common_prefix(a, b) / max(len(a), len(b)) for a, b in pairs)}
 
 
-def outputs_match_stored(results: dict, stored: list[str], decode) -> dict:
+def outputs_match_stored(results: dict, stored: list[str], decode, eos: set = frozenset()) -> dict:
     """How far batch 1's replies (plain's and main's, first round) follow the replies stored in the data set for the
     same conversations (``online.first_reply_texts``), compared as text (``decode``: token ids to text). The offline
     walk over "the same replies" (``offline_walk_same_replies``) walks the stored ones: where online decoding leaves
@@ -350,7 +378,7 @@ def outputs_match_stored(results: dict, stored: list[str], decode) -> dict:
         r = results["servers"].get(name, {})
         if "by_concurrency" not in r:
             continue
-        texts = [decode(ids).strip() if ids else "" for ids in r["by_concurrency"][1]["rounds"][0].get("_outputs") or []]
+        texts = [decode(ids).strip() if ids else "" for ids in _replies(r, eos)]
         m = _match([t.strip() for t in stored], texts)
         if m:
             out[name] = m
@@ -409,16 +437,22 @@ def _accept(results: dict, name: str, conc: int = 1):
     return statistics.fmean(acc) if acc else None
 
 
-SPEEDUP_SPREADS = ("rounds_min", "rounds_max", "pooled", "ci95_low", "ci95_high")  # of a speedup <key>: <key>_<these>
+SPEEDUP_SPREADS = re.compile(r"round\d+|rounds_min|rounds_max|medians_ratio|pooled|ci95_low|ci95_high")  # of a
+# speedup <key>: <key>_<these> (``_speedup_spreads``)
 
 
 def _speedup_spreads(key: str, plain: dict, spec: dict, *, batch1: bool) -> dict:
-    """``<key>_rounds_min/max``: the range of each round's ratio to plain's round of the same moment (the speedup's
-    own spread, ``online.paired_speedups``); at batch 1 also ``<key>_pooled`` (every prompt and round pooled) and
-    ``<key>_ci95_low/high``, its interval over the prompts (``online.speedup_interval``; ``<key>`` itself is the
-    medians' ratio, which may fall outside it); nothing without rounds."""
+    """``<key>`` is the median of the rounds' paired ratios (``online.paired_speedup``); beside it
+    ``<key>_round<i>``: round i's ratio to plain's round of the same moment, ``<key>_rounds_min/max``: their range
+    (the speedup's own spread, ``online.paired_speedups``), ``<key>_medians_ratio``: the two servers' medians' ratio
+    (what records before the paired median reported); at batch 1 also ``<key>_pooled`` (every prompt and round
+    pooled) and ``<key>_ci95_low/high``, its interval over the prompts (``online.speedup_interval``); nothing without
+    rounds."""
     paired = online.paired_speedups(plain, spec)
     out = {f"{key}_rounds_min": min(paired), f"{key}_rounds_max": max(paired)} if paired else {}
+    out.update({f"{key}_round{i}": x for i, x in enumerate(paired)})
+    if paired and plain.get("output_tokens_per_s_median"):
+        out[f"{key}_medians_ratio"] = spec["output_tokens_per_s_median"] / plain["output_tokens_per_s_median"]
     pooled = online.pooled_speedup(plain, spec) if batch1 else None
     ci = online.speedup_interval(plain, spec) if batch1 else None
     if pooled is not None:
@@ -426,6 +460,27 @@ def _speedup_spreads(key: str, plain: dict, spec: dict, *, batch1: bool) -> dict
     if ci:
         out[f"{key}_ci95_low"], out[f"{key}_ci95_high"] = ci
     return out
+
+
+def speedup_report(m: dict, key: str = "online_speedup") -> str:
+    """One line of a speedup as 05 prints it: the median of the paired rounds, every round's ratio, the medians'
+    ratio for comparison; then, apart, how many prompts gave the same text as plain and as the stored replies (the
+    timing is of equal work whatever the text, ``online.sampling_params``)."""
+    if key not in m:
+        return f"{key}: not measured"
+    rounds = [m[k] for k in sorted((k for k in m if re.fullmatch(rf"{key}_round\d+", k)),
+                                   key=lambda k: int(k.rsplit("round", 1)[1]))]
+    text = f"{key} {m[key]:.3f}: median of {len(rounds)} paired rounds ({' '.join(f'{x:.3f}' for x in rounds)})"
+    if f"{key}_medians_ratio" in m:
+        text += f"; the medians' ratio {m[f'{key}_medians_ratio']:.3f}"
+    if key == "online_speedup":  # main's replies: the text, apart from the equal-work timing
+        same = [f"{m[f'main_outputs_identical_to_{w}_prompts']} of {m[f'main_outputs_compared_with_{w}']} prompts "
+                f"identical to {w}" for w in ("plain", "stored") if f"main_outputs_compared_with_{w}" in m]
+        if "main_tokens_past_eos_share" in m:
+            same.append(f"{m['main_tokens_past_eos_share']:.1%} of main's timed tokens past the end of its reply")
+        if same:
+            text += "\ntext (apart from the timing, which is of equal work): " + "; ".join(same)
+    return text
 
 
 def _best_setting(results: dict, m: dict, plan: "OnlinePlan") -> dict:
@@ -449,14 +504,14 @@ def _best_setting(results: dict, m: dict, plan: "OnlinePlan") -> dict:
             continue
         setting = ",".join(map(str, r.get("setting") or list(plan.serving)))
         label = f"{name} ({setting})" + ("".join(f" {a}" for a in plan.variants[v]) if v else "")
-        if best is None or tps[name] > tps[best[0]]:
-            best = (name, label)
+        sp = online.paired_speedup(srv[base]["by_concurrency"][1], r["by_concurrency"][1])
+        if sp is not None and (best is None or sp > best[2]):
+            best = (name, label, sp)
     if best is None:
         return {}
-    name, label = best
+    name, label, sp = best
     key = "online" if name == "main" else _metric_prefix(name)
-    out = {"online_best_setting": label, "online_best_baseline": base,
-           "online_best_speedup": tps[name] / tps[base]}
+    out = {"online_best_setting": label, "online_best_baseline": base, "online_best_speedup": sp}
     accept = m.get(f"{key}_accept_length")
     if accept is not None:
         out["online_best_accept_length"] = accept
@@ -678,12 +733,13 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
                 m[f"{key}_accept_cost_ci95_low"], m[f"{key}_accept_cost_ci95_high"] = cost
         tps = r["by_concurrency"][1]["output_tokens_per_s_median"]
         m[f"{key}_tokens_per_s_spread"] = online.spread(r["by_concurrency"][1])
-        if plain1:
-            m[f"{key}_speedup"] = tps / plain1
+        sp = online.paired_speedup(srv["plain"]["by_concurrency"][1], r["by_concurrency"][1]) if plain1 else None
+        if sp is not None:
+            m[f"{key}_speedup"] = sp
             m.update(_speedup_spreads(f"{key}_speedup", srv["plain"]["by_concurrency"][1], r["by_concurrency"][1],
                                       batch1=True))
             if a is not None and tps:  # what this setting's cycle costs, in accepted tokens (steps, tree, control)
-                m[f"{key}_breakeven_accept_length"] = online.breakeven(a, tps / plain1)
+                m[f"{key}_breakeven_accept_length"] = online.breakeven(a, sp)
                 m[f"{key}_cycle_ms"] = online.cycle_ms(a, tps)
             m.update(fit_metrics(key, r["by_concurrency"][1], a, plain_fit))
     m.update(accepting_cost(m))
@@ -700,15 +756,22 @@ def summarize(plan: OnlinePlan, results: dict, proofs: dict, offline: dict) -> d
         m[f"steps{s}_speedup"] = m.get("online_speedup", 0.0)
         if "online_cycle_ms" in m:
             m[f"steps{s}_cycle_ms"] = m["online_cycle_ms"]
-        for end in SPEEDUP_SPREADS:
-            if f"online_speedup_{end}" in m:
-                m[f"steps{s}_speedup_{end}"] = m[f"online_speedup_{end}"]
+        for k in [k for k in m if SPEEDUP_SPREADS.fullmatch(k.removeprefix("online_speedup_"))]:
+            m[f"steps{s}_speedup_{k[len('online_speedup_'):]}"] = m[k]
     m.update(_best_setting(results, m, plan))
     m.update(proof_metrics(plan, proofs))
     for name, match in results.get("outputs_match_plain", {}).items():
         m[f"{_metric_prefix(name)}_outputs_identical_to_plain"] = match["identical"]
         m[f"{_metric_prefix(name)}_common_prefix_with_plain"] = match["common_prefix"]
+        if "prompts" in match:  # how many of batch 1's prompts gave the same text: apart from the timing, which
+            m[f"{_metric_prefix(name)}_outputs_identical_to_plain_prompts"] = match["identical_prompts"]  # is of
+            m[f"{_metric_prefix(name)}_outputs_compared_with_plain"] = match["prompts"]  # equal work
     for name, match in results.get("outputs_match_stored", {}).items():  # batch 1's replies against the data set's
         m[f"{name}_outputs_identical_to_stored"] = match["identical"]
         m[f"{name}_common_prefix_with_stored"] = match["common_prefix"]
+        if "prompts" in match:
+            m[f"{name}_outputs_identical_to_stored_prompts"] = match["identical_prompts"]
+            m[f"{name}_outputs_compared_with_stored"] = match["prompts"]
+    for name, share in results.get("tokens_past_eos", {}).items():  # timed tokens no stopping request would make
+        m[f"{_metric_prefix(name)}_tokens_past_eos_share"] = share
     return m

@@ -11,7 +11,8 @@ figure) formats and writes a log line on every verify, work plain was not charge
 
 Speed: output tokens per second (of wall time at 8 and 32 requests; at batch 1 of the server's own requests' time,
 timed prompt by prompt across the servers), the same prompts, greedy, against the same target served without
-speculation in the same run. At batch 1 the break-even accept length is the cost of one speculative iteration in
+speculation in the same run, each request asking for the same number of new tokens on every server
+(``sampling_params``: ``ignore_eos``, so each server does the same work whatever text it produced). At batch 1 the break-even accept length is the cost of one speculative iteration in
 plain decode steps: ``accept_length / speedup`` (speculation pays above it).
 
 Many servers on one GPU: SGLang sizes its KV pool from the memory free when it starts, so servers started together
@@ -85,10 +86,41 @@ def start_servers(target, servings: list[Serving], log_dir, base_port: int = 310
     return {"servers": servers, "failed": failed}
 
 
+def sampling_params(max_new_tokens: int) -> dict:
+    """What every timed request asks for, plain and speculative alike: greedy, exactly ``max_new_tokens`` new tokens
+    (``ignore_eos``: a reply does not end at the end-of-sequence token). Equal work: the servers' replies part at
+    near-ties (bf16 verify forwards against plain decode steps), and a reply that ended early would time less work
+    on one server than on the other; the text the replies would have had is compared apart, cut at their first
+    end-of-sequence token (``reply_end``)."""
+    return {"max_new_tokens": int(max_new_tokens), "temperature": 0.0, "ignore_eos": True}
+
+
+def reply_end(ids, eos_ids) -> list:
+    """``ids`` up to (not including) the first of ``eos_ids``: the reply a request that stops at the end-of-sequence
+    token would have given (timed requests go on past it, ``sampling_params``)."""
+    ids = list(ids or [])
+    return next((ids[:i] for i, t in enumerate(ids) if t in eos_ids), ids)
+
+
+def eos_token_ids(target_dir, tokenizer=None) -> set[int]:
+    """The token ids that end a reply for the target in ``target_dir``: ``eos_token_id`` (one or a list) of its
+    ``generation_config.json`` and ``config.json`` (what SGLang stops at), and the tokenizer's where one is given."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        try:
+            v = json.loads((Path(target_dir) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        ids.update(int(x) for x in (v if isinstance(v, list) else [v]) if x is not None)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
 def generate(session, url: str, ids, max_new_tokens: int, timeout: float = 600) -> dict:
     t0 = time.perf_counter()
     r = session.post(url + "/generate", timeout=timeout, json={
-        "input_ids": list(ids), "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}})
+        "input_ids": list(ids), "sampling_params": sampling_params(max_new_tokens)})
     r.raise_for_status()
     out = r.json()
     m = out.get("meta_info", {})
@@ -334,6 +366,15 @@ def paired_speedups(plain: dict, spec: dict) -> list[float]:
     return [b / a for a, b in zip(p, q) if a]
 
 
+def paired_speedup(plain: dict, spec: dict) -> float | None:
+    """The speedup of one concurrency: the median over rounds of each round's spec / plain ratio
+    (``paired_speedups``), not the ratio of the two servers' medians, which pairs a round of one with another round
+    of the other (plain's rounds 100, 200, 300 tokens/s against 150, 150, 250: medians' ratio 0.75, paired median 0.83). None
+    without a round measured by both."""
+    paired = paired_speedups(plain, spec)
+    return statistics.median(paired) if paired else None
+
+
 def speedup_interval(plain: dict, spec: dict, level: float = 0.95, resamples: int = 2000, seed: int = 0):
     """(low, high): a paired bootstrap interval of the batch-1 speedup over the prompts (prompts drawn with
     replacement, the same for both servers; each prompt's output tokens and seconds summed over the rounds; speedup =
@@ -411,13 +452,15 @@ def accept_difference_interval(a: dict, b: dict, level: float = 0.95, resamples:
 
 
 def summarize(plain: dict, spec: dict, conc: int) -> dict:
-    """Speedup (median over rounds) and the break-even accept length; at batch 1 also the times it comes from: plain's
-    milliseconds a token and the speculative server's a verify cycle (accept length tokens; prefill included in both)."""
+    """Speedup (the median of the rounds' paired ratios, ``paired_speedup``) and the break-even accept length; at
+    batch 1 also the times it comes from: plain's milliseconds a token and the speculative server's a verify cycle
+    (accept length tokens; prefill included in both)."""
     p = plain[conc]["output_tokens_per_s_median"]
     s = spec[conc]["output_tokens_per_s_median"]
     acc = [r["accept_length"] for r in spec[conc]["rounds"] if "accept_length" in r]
     accept = statistics.fmean(acc) if acc else None
-    out = {"speedup": s / p if p else 0.0, "accept_length": accept, "plain_tokens_per_s": p, "spec_tokens_per_s": s}
+    speedup = paired_speedup(plain[conc], spec[conc])
+    out = {"speedup": speedup or 0.0, "accept_length": accept, "plain_tokens_per_s": p, "spec_tokens_per_s": s}
     if accept:
         out["breakeven_accept_length"] = breakeven(accept, out["speedup"])
         if conc == 1 and p and s:

@@ -139,6 +139,54 @@ def open_source(path, split: str | None = "train"):
                      f"(dataset_info.json + hidden_states/). Fix: pass the folder `eagle3kit extract --out` wrote")
 
 
+VAL_SEED = 0  # the validation carve-out's seed: one split per data set, whatever the training's own seed
+
+
+class Subset:
+    """Some samples of a source (``indices``: positions in it, in that order), read as a source of their own."""
+
+    def __init__(self, source, indices):
+        self.source, self.indices = source, list(indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+    def length(self, i: int) -> int:
+        return self.source.length(self.indices[i])
+
+    def info(self) -> SourceInfo:
+        return self.source.info()
+
+    def load(self, i: int) -> dict:
+        return self.source.load(self.indices[i])
+
+    def tokens(self, i: int):
+        return self.source.tokens(self.indices[i])
+
+
+def carve_validation(source, percent: float) -> tuple:
+    """(train, validation) of a train split: ``percent`` of its samples (rounded, at least 1 when above 0, never all)
+    drawn by a seeded permutation of the sample positions (``VAL_SEED``), so every run and every resume on that data
+    set draws the same ones; each keeps the source's order. The validation samples choose the best checkpoint and
+    are never trained on; the held-out split stays for the report. ``percent`` 0: (source, None)."""
+    n = len(source)
+    val = validation_positions(n, percent)
+    if not val:
+        return source, None
+    return Subset(source, [i for i in range(n) if i not in val]), Subset(source, sorted(val))
+
+
+def validation_positions(n: int, percent: float) -> set[int]:
+    """The positions ``carve_validation`` takes out of a train split of ``n`` samples (a live training's too)."""
+    if not percent or n == 0:
+        return set()
+    k = max(1, round(n * percent / 100))
+    if k >= n:
+        raise ValueError(f"val_percent={percent}: {k} of the {n} training samples would be validation, none left to "
+                         f"train on. Fix: a smaller val_percent (or 0: no checkpoint choice), or extract more samples")
+    return set(random.Random(VAL_SEED).sample(range(n), k))
+
+
 def align(sample: dict, n_states: int, hidden_size: int, max_rows: int | None = None) -> dict:
     """One sample as drafter rows (see drafter.objective): row t = aux g_t, token x_{t+1}, final state at t+1,
     loss mask of x_{t+1}. Checks shapes and finiteness (SampleError otherwise)."""

@@ -4,9 +4,11 @@
   train.json            the settings (a resume with other settings is refused)
   vocab.pt              the draft vocabulary (ids) and the loss-token frequencies it was chosen from
   checkpoints/last.pt   trainable weights, optimizer, schedule, RNG, data position: an exact resume point
-  best/                 SGLang export (LlamaForCausalLMEagle3) of the checkpoint with the best held-out tau
+  best/                 SGLang export (LlamaForCausalLMEagle3) of the checkpoint with the best validation tau
+                        (``val_percent`` of the train split, never trained on); the held-out split is only reported
   final/                SGLang export at the end
-  evals.jsonl           one line per held-out evaluation: per-position acc / cond. acc / loss, tau(n)
+  evals.jsonl           one line per evaluation: per-position acc / cond. acc / loss, tau(n), on the validation
+                        samples (val_*, the choice) and the held-out split (heldout_*, the report)
   train_log.jsonl       one line per optimizer step: loss and accuracy per TTT position, lr, tokens/s
   metrics.json          the summary (flat): train_tokens_per_s, train_acc_pos0 (held out), offline_tau, ...
 
@@ -99,7 +101,9 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 0  # optimizer steps; 0: at the end of each epoch
     eval_steps: int = 0  # chain depth evaluated; 0: ttt_steps
-    serving_steps: int = 3  # the best checkpoint is chosen by held-out tau at this depth
+    serving_steps: int = 3  # the best checkpoint is chosen by validation tau at this depth
+    val_percent: float = 5.0  # of the train split's samples (seeded, by position), never trained on: they choose the
+    # best checkpoint, so the held-out split's tau reports a choice it took no part in; 0: best/ is the latest
     save_every: int = 100
     workers: int = 2
     device: str = "auto"
@@ -136,6 +140,8 @@ class TrainConfig:
              "tokens_per_batch >= 16, rows_per_batch >= 1, grad_accum >= 1, epochs >= 1, max_steps >= 0")
         need(0 < self.step_decay <= 1, "step_decay in (0, 1]")
         need(self.draft_vocab_size >= 1, "draft_vocab_size >= 1")
+        need(0 <= self.val_percent < 100, f"val_percent={self.val_percent}: give a share of the training samples in "
+             f"[0, 100) to choose the best checkpoint on (0: none, best/ is the latest)")
         need(not self.fit_schedule or self.max_minutes > 0, "fit_schedule needs max_minutes > 0 (the budget to fit)")
         need(self.eval_depth >= self.serving_steps, f"eval_steps={self.eval_steps} < serving_steps="
              f"{self.serving_steps}: the best checkpoint is chosen by held-out tau at serving_steps, which an evaluation "
@@ -224,6 +230,7 @@ class Run:
     vocab_ids: torch.Tensor
     most_frequent: int
     extra: dict = field(default_factory=dict)
+    val_src: object | None = None  # the train split's validation samples (val_percent): the checkpoint choice
 
 
 def _device(cfg: TrainConfig, dist: Dist) -> torch.device:
@@ -325,11 +332,11 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
     dist = dist or Dist.from_env()
     device = _device(cfg, dist)
     no_cudnn_sdpa(device)
-    live_extra = {}
+    live_extra, val_src = {}, None
     if cfg.live is not None:  # samples captured while training, through the stream (``eagle3kit.live``)
         from eagle3kit.live.session import open_live
 
-        train_src, live_heldout, live_extra = open_live(cfg, dist, Path(cfg.out_dir))
+        train_src, live_heldout, val_src, live_extra = open_live(cfg, dist, Path(cfg.out_dir))
         if closing is not None:
             closing.callback(train_src.close)
         heldout_src = _heldout_source(cfg.heldout) if cfg.heldout else live_heldout
@@ -337,6 +344,10 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
         train_src = D.open_source(cfg.data, "train")
         if len(train_src) == 0:
             raise TrainError(f"{cfg.data}: no training samples (split 'train' is empty). Fix: extract more samples")
+        try:
+            train_src, val_src = D.carve_validation(train_src, cfg.val_percent)
+        except ValueError as e:
+            raise TrainError(f"{cfg.data}: {e}") from None
         heldout_src = _heldout_source(cfg.heldout) if cfg.heldout else \
             (D.CaptureSource(cfg.data, "heldout") if isinstance(train_src, D.CaptureSource) else None)
     if heldout_src is not None and len(heldout_src) == 0:
@@ -392,7 +403,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
     return Run(cfg, dist, device, train_src, heldout_src, info, target, vocab, freq, model, head,
                vocab.target_to_draft().to(device), vocab.ids.to(device), int(torch.argmax(freq)),
                extra={"aux_layer_ids": aux, "num_layers": tinfo.num_layers, "model_type": tinfo.model_type,
-                      "attention": attention, "compiled": bool(compiled), "live": live_extra})
+                      "attention": attention, "compiled": bool(compiled), "live": live_extra}, val_src=val_src)
 
 
 def _probe_flex(cfg: TrainConfig, model, device, aux_width: int) -> str:
@@ -713,10 +724,13 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
         t0 = time.time()
         counts = evaluate(run, eval_steps)
         m = counts.metrics("heldout_")
-        row = {"step": state["step"], "tokens": state["tokens"], **m}
+        chosen_by = evaluate(run, eval_steps, source=run.val_src) if run.val_src is not None else None
+        row = {"step": state["step"], "tokens": state["tokens"], **m,
+               **(chosen_by.metrics("val_") if chosen_by is not None else {})}
         log("evals.jsonl", row)
-        # nothing held out to judge by (no held-out rows): best/ is the latest drafter, never the untrained one
-        tau = m[f"heldout_tau_{cfg.serving_steps}"] if counts.valid[0] else None  # validate: eval depth >= serving
+        # the choice is the validation samples' (never the held-out split's, which only reports); none to judge by
+        # (val_percent 0, no rows): best/ is the latest drafter, never the untrained one
+        tau = row[f"val_tau_{cfg.serving_steps}"] if chosen_by is not None and chosen_by.valid[0] else None
         if (tau is None or tau > state["best_tau"]) and dist.rank == 0:
             state["best_tau"] = state["best_tau"] if tau is None else tau
             state["best"] = row
@@ -910,12 +924,14 @@ def _summary(run: Run, state: dict, lengths: list[int]) -> dict:
          if state["train_seconds"] else 0.0, "train_ttt_steps": cfg.ttt_steps, "train_loss": cfg.loss,
          "train_lm_head": cfg.lm_head, "train_step_decay": cfg.step_decay, "draft_vocab_size": run.vocab.size,
          "draft_vocab_coverage": run.vocab.coverage(run.freq), "heldout_samples": len(run.heldout_src or []),
+         "val_samples": len(run.val_src or []),
+         "train_best_chosen_by": "validation" if best.get(f"val_tau_{cfg.serving_steps}") is not None else "latest",
          "best_step": best.get("step", 0), "train_total_steps_planned": state.get("planned_steps", 0),
          "train_total_steps_fitted": state.get("total_steps", 0) if state.get("fitted") else 0,
          "train_stopped_early": bool(state.get("stopped_early")), "train_attention": run.extra.get("attention"),
          "train_compiled_layers": bool(run.extra.get("compiled"))}
     for k, v in best.items():
-        if k.startswith("heldout_"):
+        if k.startswith(("heldout_", "val_tau_")):
             s[k] = v
     init = state.get("initial") or {}
     if "heldout_loss_pos0" in init:

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from eagle3kit.live.config import LiveConfig, LiveError
-from eagle3kit.live.source import LiveSample, LiveSource, MemorySource, check_capture, heldout_key
+from eagle3kit.live.source import LiveSample, LiveSource, MemorySource, check_capture, heldout_key, validation_key
 from eagle3kit.live.stream import LiveStream, ReferenceFeeder, SGLangFeeder
 
 TMPFS_MAGIC = 0x01021994
@@ -39,10 +39,11 @@ def stream_dir_for(out_dir: Path, lc: LiveConfig, rank: int) -> Path:
 
 
 def open_live(cfg, dist, out_dir: Path):
-    """(train source, held-out source or None, summary extras) for ``cfg`` (a TrainConfig with ``live``)."""
+    """(train source, held-out source or None, validation source or None, summary extras) for ``cfg`` (a TrainConfig
+    with ``live``)."""
     from transformers import AutoTokenizer
 
-    from eagle3kit.drafter.data import SourceInfo
+    from eagle3kit.drafter.data import SourceInfo, validation_positions
     from eagle3kit.extract import bytes_per_token, load_samples
     from eagle3kit.pipeline import default_aux
     from eagle3kit.target import TargetInfo, resolve_target
@@ -109,6 +110,12 @@ def open_live(cfg, dist, out_dir: Path):
     if not train:
         raise LiveError(f"--data {cfg.data}: no training conversation ({report.records} records read, "
                         f"{len(rendered)} rendered, all held out). Fix: more conversations, or a lower heldout_percent")
+    try:  # the validation samples that choose the best checkpoint: the positions a file training carves out
+        val_at = validation_positions(len(train), cfg.val_percent)
+    except ValueError as e:
+        raise LiveError(f"--data {cfg.data}: {e}") from None
+    val = [s for i, s in enumerate(train) if i in val_at]
+    train = [s for i, s in enumerate(train) if i not in val_at]
     info = SourceInfo(layer_ids, tinfo.hidden_size, len(layer_ids), str(path), not lc.prefill_graph)
     source = LiveSource(train, stream, info, layer_ids, rank=dist.rank, timeout_s=lc.timeout_s,
                         cache=lc.cache_gb > 0 and cfg.epochs > 1)
@@ -117,30 +124,31 @@ def open_live(cfg, dist, out_dir: Path):
                       owns_dir=not lc.urls)
     live.prepare()
     source.stream = live
-    heldout = None
-    if held:  # every rank captures the same held-out set and scores its share of it
-        heldout = MemorySource(_capture_heldout(live, held, info), info)
+    # captured once, checked, kept in host RAM: every rank the same sets (each scores its share)
+    heldout = MemorySource(_capture_once(live, held, info, heldout_key), info) if held else None
+    val_src = MemorySource(_capture_once(live, val, info, validation_key), info) if val else None
     extras = {"live_conversations": report.records, "live_train_conversations": len(train),
-              "live_heldout_samples": len(held), "live_stream_dir": str(stream), "live_engine": lc.engine,
+              "live_heldout_samples": len(held), "live_val_samples": len(val), "live_stream_dir": str(stream), "live_engine": lc.engine,
               "live_storage": lc.storage, "live_bytes_per_token": bpt}
-    return source, heldout, extras
+    return source, heldout, val_src, extras
 
 
-def _capture_heldout(live: LiveStream, held, info) -> list[dict]:
-    """The held-out samples, captured through the stream once, checked as every streamed sample is, kept in RAM."""
+def _capture_once(live: LiveStream, samples, info, key_of) -> list[dict]:
+    """Samples captured through the stream once (the held-out and validation sets), checked as every streamed sample
+    is, kept in RAM."""
     import torch
 
-    markers = live.capture_now([(heldout_key(s.index), s.input_ids) for s in held])
+    markers = live.capture_now([(key_of(s.index), s.input_ids) for s in samples])
     items = []
-    for s in held:
-        m = markers[heldout_key(s.index)]
+    for s in samples:
+        m = markers[key_of(s.index)]
         try:
             t = check_capture(live.dir, m, s.input_ids, info.n_states, info.hidden_size)
         except ValueError as e:
-            raise LiveError(f"held-out sample {s.index}: its capture fails the check ({e})") from None
+            raise LiveError(f"sample {s.index} ({key_of(s.index)}): its capture fails the check ({e})") from None
         finally:
             (live.samples_dir / m["file"]).unlink(missing_ok=True)
-            (live.samples_dir / f"{heldout_key(s.index)}.rank0.json").unlink(missing_ok=True)
+            (live.samples_dir / f"{key_of(s.index)}.rank0.json").unlink(missing_ok=True)
         items.append({"hidden_states": t["hidden_states"], "token_ids": t["token_ids"],
                       "loss_mask": torch.tensor(s.loss_mask, dtype=torch.int64)})
     return items

@@ -44,6 +44,10 @@ def heldout_key(index: int) -> str:
     return f"h{index:07d}"
 
 
+def validation_key(index: int) -> str:
+    return f"v{index:07d}"
+
+
 class StreamError(RuntimeError):
     """The stream cannot deliver (the producer stopped on a fault it cannot mend, or a sample never came)."""
 
