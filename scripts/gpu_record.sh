@@ -169,13 +169,25 @@ for what in ${phases//,/ }; do
         # E3K_FAMILY_ARGS: more runner arguments, e.g. "--only 00_target 03_extract 04_train 05_acceptance"
         $stop python3 -m eagle3kit.cli run params/gpu-$what-tiny.yaml --run-dir "$rec/$what" ${E3K_FAMILY_ARGS:-} "${@:2}" 2>&1 | tee "$rec/$what.log"
         rc=${PIPESTATUS[0]} ;;
-    mla)  # #46: the MLA head (Eagle3DeepseekV2ForCausalLM) on both tiny targets, plain EAGLE-3 and EAGLE-3.1: 00-05 once
+    live) rc=0  # #44: live training against training from files (benchmarks/live_train.py: same conversations, recipe,
+        # seed and steps; seed 1 for the spread; a live run whose capture server is SIGKILLed mid-training), then the
+        # stream alone at Kimi-K2.5's geometry (benchmarks/live_stream.py); E3K_LIVE_ARGS: more of live_train's arguments
+        $stop python3 benchmarks/live_train.py --out "$rec" ${E3K_LIVE_ARGS:---samples 2000 --steps 400 --fault-after 20} \
+          2>&1 | tee "$rec/live_train.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        for s in bf16 fp8; do
+          $stop python3 benchmarks/live_stream.py --kimi --storage $s --rounds 3 --forwards ${E3K_LS_FORWARDS:-30} \
+            --consumers 4 --out "$rec" 2>&1 | tee -a "$rec/live_stream.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        done ;;
+    mla|mla-deepseek|mla-kimi)  # #46: the MLA head (Eagle3DeepseekV2ForCausalLM) on both tiny targets, plain EAGLE-3 and EAGLE-3.1: 00-05 once
         # per target with drafter=mla, then 04-05 again with eagle31=true on the same data; 05's proof server
         # records what SGLang loaded and computed (export_params_unloaded, mla_logits_*, fed layers, doctor on the
         # off-by-one control); kv-pools.txt: SGLang's "KV Cache is allocated" lines (target pool, then draft pool)
-        rc=0
-        for t in ${E3K_FAMILY:-deepseek kimi}; do
+        # (mla-deepseek, mla-kimi: one target each, so that a chain runs them side by side; E3K_MLA_ONLY: the steps of the
+        # first run, default 03-05)
+        rc=0; targets=${E3K_FAMILY:-deepseek kimi}; [ "$what" != mla ] && targets=${what#mla-}
+        for t in $targets; do
           $stop python3 -m eagle3kit.cli run params/gpu-$t-tiny.yaml --run-dir "$rec/$t-mla" \
+            --only ${E3K_MLA_ONLY:-03_extract 04_train 05_acceptance} \
             --set 04_train.drafter=mla "${@:2}" > "$rec/$t-mla.log" 2>&1 || rc=1
           $stop python3 -m eagle3kit.cli run params/gpu-$t-tiny.yaml --run-dir "$rec/$t-mla31" --only 04_train 05_acceptance \
             --set 04_train.drafter=mla --set 04_train.eagle31=true --set 04_train.data="$rec/$t-mla/03_extract/data" \

@@ -1,0 +1,132 @@
+"""Live training against training from files, on one GPU (#44): the same conversations, recipe, seed and steps.
+
+  1. ``extract`` with a capture server started here writes the conversations' states to disk (the file baseline's data);
+  2. ``train`` from those files (seed 0, and seed 1 for the spread of two trainings of one recipe);
+  3. ``train --live``: a capture server colocated on the same GPU streams the same conversations to the trainer;
+  4. with ``--fault-after S``: a live training whose capture server is killed with SIGKILL S seconds into its steps.
+Prints every figure; ``--out`` gets metrics.json: ``live_vs_file_tau_rel_diff`` (held-out tau at serving steps),
+``file_seed_tau_rel_diff`` (the yardstick), ``live_train_tokens_per_s_ratio`` (live over file, optimizer steps
+only), ``live_wait_share``, ``live_hidden_state_bytes_on_disk``, ``live_peak_host_mb`` against ``live_stream_bound_mb``,
+and the fault run's ``fault_live_samples_lost`` / ``_duplicated`` / ``fault_live_server_restarts``.
+
+usage: python benchmarks/live_train.py --out DIR [--samples 2000] [--steps 400] [--fault-after 30]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import threading
+import time
+from pathlib import Path
+
+SERVER = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.35"]
+
+
+def recipe(a) -> dict:
+    return {"target": "embedded:smollm2", "draft_vocab_size": 16384, "ttt_steps": 5, "serving_steps": 3,
+            "tokens_per_batch": 4096, "rows_per_batch": 2, "lr": 1e-3, "max_steps": a.steps, "epochs": 30,
+            "workers": 4, "eval_every": 0, "progress": False, "save_every": 200}
+
+
+def live_settings(a, port: int) -> dict:
+    return {"engine": "sglang", "max_samples": a.samples, "max_tokens": a.max_tokens, "heldout_percent": 5,
+            "server_args": SERVER, "port": port, "stream_gb": a.stream_gb, "concurrency": 64}
+
+
+def killer(out: Path, after_s: float, log: list) -> None:
+    """SIGKILL the live run's capture server ``after_s`` seconds after its first optimizer step (its log)."""
+    first = None
+    while first is None:
+        lines = (out / "train_log.jsonl").read_text().splitlines() if (out / "train_log.jsonl").exists() else []
+        if lines:
+            first = time.time()
+        time.sleep(0.2)
+    time.sleep(after_s)
+    import subprocess
+
+    pids = subprocess.run(["pgrep", "-f", "sglang.launch_server.*--port 30031"], capture_output=True, text=True).stdout
+    for pid in pids.split():
+        try:
+            os.killpg(int(pid), signal.SIGKILL)
+            log.append({"killed_pgid": int(pid), "at_s": time.time() - first})
+        except ProcessLookupError:
+            pass
+
+
+def main(argv=None):
+    from eagle3kit.drafter.train import TrainConfig, train
+    from eagle3kit.metrics import update_json
+    from eagle3kit.pipeline import run_extraction
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/root/work/live")
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--stream-gb", type=float, default=4.0)
+    p.add_argument("--fault-after", type=float, default=0, help="seconds into the fault run's steps (0: no fault run)")
+    p.add_argument("--only", nargs="*", default=["file", "seed1", "live", "fault"])
+    a = p.parse_args(argv)
+    out, work = Path(a.out), Path(a.work)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"samples_asked": a.samples, "steps": a.steps}
+    data = work / "data"
+    if not (data / "manifest.jsonl").exists() and {"file", "seed1"} & set(a.only):
+        t0 = time.time()
+        ex = run_extraction(target="embedded:smollm2", out_dir=data, engine="sglang", max_samples=a.samples,
+                            max_tokens=a.max_tokens, heldout_percent=5, server_args=SERVER, port=30021,
+                            progress=False)
+        res.update(extract_seconds=time.time() - t0, extract_samples=ex["written"], extract_bytes=ex["bytes"])
+    runs = {}
+    for name in a.only:
+        cfg = {**recipe(a), "out_dir": str(work / name)}
+        if name in ("file", "seed1"):
+            cfg.update(data=str(data), seed=1 if name == "seed1" else 0)
+        else:
+            cfg.update(data="embedded:sharegpt", live=live_settings(a, 30031 if name == "fault" else 30041))
+        kill_log: list = []
+        if name == "fault":
+            if not a.fault_after:
+                continue
+            threading.Thread(target=killer, args=(work / name, a.fault_after, kill_log), daemon=True).start()
+        t0 = time.time()
+        s = train(TrainConfig.from_dict(cfg))
+        s["wall_seconds"] = time.time() - t0
+        s["kills"] = kill_log
+        runs[name] = s
+        (out / f"train-{name}.json").write_text(json.dumps(s, indent=1, sort_keys=True, default=str))
+        for f in ("train_log.jsonl", "evals.jsonl", "sglang.log"):
+            if (work / name / f).exists():
+                os.system(f"gzip -c {work / name / f} > {out / f'{name}-{f}.gz'}")
+        print(f"[{name}] {s['train_steps']} steps, {s['train_tokens_per_s']:,.0f} tokens/s, tau_3 "
+              f"{s.get('heldout_tau_3')}, wall {s['wall_seconds']:.0f} s", flush=True)
+    tau = {k: v.get("heldout_tau_3") for k, v in runs.items()}
+    if "file" in runs and "live" in runs:
+        f, lv = runs["file"], runs["live"]
+        res.update(file_tau_3=tau["file"], live_tau_3=tau["live"],
+                   live_vs_file_tau_rel_diff=abs(tau["live"] - tau["file"]) / tau["file"],
+                   file_train_tokens_per_s=f["train_tokens_per_s"], live_train_tokens_per_s=lv["train_tokens_per_s"],
+                   live_train_tokens_per_s_ratio=lv["train_tokens_per_s"] / f["train_tokens_per_s"],
+                   file_data_wait_fraction=f["train_data_wait_fraction"],
+                   **{k: v for k, v in lv.items() if k.startswith("live_") and isinstance(v, (int, float, str))})
+        res["live_peak_host_mb"] = lv["live_peak_stream_mb"]
+    if "seed1" in runs and "file" in runs:
+        res.update(seed1_tau_3=tau["seed1"], file_seed_tau_rel_diff=abs(tau["seed1"] - tau["file"]) / tau["file"])
+    if "fault" in runs:
+        fr = runs["fault"]
+        res.update({f"fault_{k}": v for k, v in fr.items() if k.startswith("live_") and isinstance(v, (int, float))})
+        res.update(fault_train_steps=fr["train_steps"], fault_kills=len(fr["kills"]),
+                   fault_kill_at_s=fr["kills"][0]["at_s"] if fr["kills"] else -1, fault_tau_3=tau["fault"])
+    res["bench_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for k, v in res.items():
+        print(f"{k:40s} {v}")
+    update_json(out / "metrics.json", res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
