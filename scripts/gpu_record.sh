@@ -178,6 +178,15 @@ for what in ${phases//,/ }; do
           $stop python3 benchmarks/live_stream.py --kimi --storage $s --rounds 3 --forwards ${E3K_LS_FORWARDS:-30} \
             --consumers 4 --out "$rec" 2>&1 | tee -a "$rec/live_stream.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done ;;
+    liveserve) rc=0  # #44/#47: the live phase's drafters served by SGLang at (3,1,4) and (7,1,8), batch 1, under 05's
+        # reporting (paired rounds, equal work): the live-trained drafter as main, the file-trained ones (seeds 0, 1)
+        # as controls, prompts from the file data set's held-out split
+        L=/root/work/live
+        $stop python3 -m eagle3kit.cli run $P --only 05_acceptance --run-dir "$rec/run" --set 05_acceptance.data=$L/data \
+          --set 05_acceptance.drafter=$L/live/best --set "05_acceptance.controls={file: $L/file/best, seed1: $L/seed1/best}" \
+          --set "05_acceptance.sweep_steps=[3, 7]" --set "05_acceptance.trees=[]" --set "05_acceptance.concurrencies=[1]" \
+          --set "05_acceptance.prompts_per_conc={1: 16}" --set 05_acceptance.untrained=false --set "05_acceptance.variants={}" \
+          ${E3K_SERVE_SETS:-} > "$rec/run-05.log" 2>&1 || rc=1 ;;
     mla|mla-deepseek|mla-kimi)  # #46: the MLA head (Eagle3DeepseekV2ForCausalLM) on both tiny targets, plain EAGLE-3 and EAGLE-3.1: 00-05 once
         # per target with drafter=mla, then 04-05 again with eagle31=true on the same data; 05's proof server
         # records what SGLang loaded and computed (export_params_unloaded, mla_logits_*, fed layers, doctor on the
