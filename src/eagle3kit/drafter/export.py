@@ -248,7 +248,8 @@ def export_drafter(src, dest, fmt: str, checkpoint: str = "best", sglang_layer_i
 @torch.no_grad()
 def loadback_rel_err(train_dir, data_dir, rows: int = 256) -> float:
     """The ``final/`` export loaded back (bf16, as SGLang gets it) against the last checkpoint's fp32 weights on one
-    held-out sample (the first training one when nothing is held out): max per-row relative error of the logits."""
+    held-out sample (the first training one when nothing is held out; ``data_dir`` None: seeded random states of the
+    captured shape, for a live training): max per-row relative error of the logits."""
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter.ttt import draft_steps
 
@@ -257,9 +258,16 @@ def loadback_rel_err(train_dir, data_dir, rows: int = 256) -> float:
     trained = copy.deepcopy(exported)
     ckpt = load_checkpoint(train_dir / "checkpoints" / "last.pt")
     trained.load_state_dict(ckpt["model"], strict=False)
-    held = D.CaptureSource(data_dir, "heldout")
-    src = held if len(held) else D.CaptureSource(data_dir, "train")
-    b = D.collate([D.align(src.load(0), len(meta["capture_layer_ids"]), exported.hidden_size, rows)])
+    if data_dir is None:  # a live training keeps no data set: seeded random states of the captured shape
+        g = torch.Generator().manual_seed(0)
+        n_states, vocab = len(meta["capture_layer_ids"]), exported.embed_tokens.num_embeddings
+        sample = {"hidden_states": torch.randn(rows + 1, n_states, exported.hidden_size, generator=g),
+                  "token_ids": torch.randint(0, vocab, (rows + 1,), generator=g),
+                  "loss_mask": torch.ones(rows + 1, dtype=torch.int64)}
+    else:
+        held = D.CaptureSource(data_dir, "heldout")
+        sample = (held if len(held) else D.CaptureSource(data_dir, "train")).load(0)
+    b = D.collate([D.align(sample, len(meta["capture_layer_ids"]), exported.hidden_size, rows)])
     x, y = (next(draft_steps(m.float(), b["aux"].float(), b["input_ids"], b["doc_ids"], b["position_ids"], 1))
             for m in (exported, trained))
     return float(token_errors(x, y).max())
