@@ -134,14 +134,18 @@ class CaptureClient:
         journal: dict[str, dict] = {}  # markers read from the journal, not yet matched with an answer
         results: list[dict] = []
 
+        posting = [0]  # requests not yet answered by SGLang: what ``concurrency`` bounds
+
         def post(key, ids):
             try:
                 answer = self.generate(key, ids, max_new_tokens)
             except Exception as e:  # noqa: BLE001 - one failed request must not lose the others
                 with lock:
+                    posting[0] -= 1
                     failures.append({"status": "error", "key": key, "reason": f"{type(e).__name__}: {e}"})
                 return
             with lock:
+                posting[0] -= 1
                 answered[key] = (time.time(), answer)
 
         def finish(key, marker):
@@ -157,14 +161,18 @@ class CaptureClient:
             try:
                 checked = time.time()
                 while True:
-                    if more and len(inflight) < concurrency:
-                        got = take(concurrency - len(inflight))
+                    with lock:
+                        free = concurrency - posting[0]
+                    if more and free > 0:  # a slot is free once SGLang answers, its marker awaited beside
+                        got = take(free)
                         if got is None:
                             more = False
                         for key, ids in got or ():
                             self.clear(key)  # here, not in the request threads: a slot only ever waits on the server
                             journal.pop(key, None)  # a marker of an earlier capture of the key is not this one's
                             inflight.add(key)
+                            with lock:
+                                posting[0] += 1
                             posts.submit(post, key, ids)
                     if not more and not inflight:
                         break
