@@ -31,9 +31,24 @@ def recipe(a) -> dict:
             "workers": 4, "eval_every": 0, "progress": False, "save_every": 200}
 
 
-def live_settings(a, port: int) -> dict:
+def live_settings(a, port: int, stream_dir: str) -> dict:
     return {"engine": "sglang", "max_samples": a.samples, "max_tokens": a.max_tokens, "heldout_percent": 5,
-            "server_args": SERVER, "port": port, "stream_gb": a.stream_gb, "concurrency": 64}
+            "server_args": SERVER, "port": port, "stream_gb": a.stream_gb, "concurrency": 64,
+            "stream_dir": stream_dir}
+
+
+def ram_folder(need_gb: float) -> Path:
+    """/dev/shm when it has room for ``need_gb``; else a tmpfs of that size mounted for the benchmark (a container's
+    /dev/shm is often 64 MB)."""
+    import shutil
+    import subprocess
+
+    if shutil.disk_usage("/dev/shm").free > need_gb * 1e9:
+        return Path("/dev/shm")
+    where = Path("/root/live-shm")
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(need_gb) + 1}g", "tmpfs", str(where)], check=True)
+    return where
 
 
 def killer(out: Path, after_s: float, log: list) -> None:
@@ -82,12 +97,15 @@ def main(argv=None):
                             progress=False)
         res.update(extract_seconds=time.time() - t0, extract_samples=ex["written"], extract_bytes=ex["bytes"])
     runs = {}
+    ram = ram_folder(2 * a.stream_gb + 2) if {"live", "fault"} & set(a.only) else None
+    res["live_ram_folder"] = str(ram)
     for name in a.only:
         cfg = {**recipe(a), "out_dir": str(work / name)}
         if name in ("file", "seed1"):
             cfg.update(data=str(data), seed=1 if name == "seed1" else 0)
         else:
-            cfg.update(data="embedded:sharegpt", live=live_settings(a, 30031 if name == "fault" else 30041))
+            cfg.update(data="embedded:sharegpt", live=live_settings(a, 30031 if name == "fault" else 30041,
+                                                                    str(ram / f"eagle3kit-live-{name}")))
         kill_log: list = []
         if name == "fault":
             if not a.fault_after:

@@ -37,6 +37,9 @@ RUN_BY = {
     "eagle3kit compare outputs/ --out outputs/compare":
         "tests/test_acceptance_units.py::test_compare_cli_names_each_run_left_out_and_fails_when_a_given_run_gives_no_row",
     "eagle3kit trial --folder /tmp/trial": "tests/test_trial.py::test_every_bad_input_is_refused_or_counted",
+    # the same command line (train --live, --live-set), on the embedded conversations with smaller settings
+    "eagle3kit train --live --data embedded:sharegpt --out drafters/live1 --live-set max_samples=64":
+        "tests/test_live.py::test_live_training_killed_resumed_equals_training_from_files",
 }
 
 
