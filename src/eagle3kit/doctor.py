@@ -22,8 +22,16 @@ def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
     except (OSError, ValueError) as e:
         raise ValueError(f"{drafter_dir / 'config.json'}: not a readable drafter config ({e}). Fix: pass the folder "
                          f"`eagle3kit train` exported (best/ or final/)") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{drafter_dir / 'config.json'}: a JSON {type(cfg).__name__}, not the drafter config (an "
+                         f"object). Fix: pass the folder `eagle3kit train` exported (best/ or final/)")
     meta_path = drafter_dir / "eagle3kit.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    try:
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{meta_path}: not readable JSON ({e}). Fix: export the drafter again") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: a JSON {type(meta).__name__}, not an object. Fix: export the drafter again")
     target = target or meta.get("target")
     if not target:
         raise ValueError(f"{drafter_dir}: no eagle3kit.json naming the target: pass --target")
@@ -42,9 +50,37 @@ def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
                                   "for SGLang: `eagle3kit export sglang` (its ids are converted for the target)"))
         return d
     d = check(capture, cfg, info.model_type, info.num_layers, final_is_pre_norm=bool(exact))
+    d.findings.extend(check_weights(drafter_dir, cfg, info, meta))
     if data:
         d.findings.extend(check_data(data, target, probe).findings)
     return d
+
+
+def check_weights(drafter_dir: Path, cfg: dict, info, meta: dict) -> list[Finding]:
+    """The config against the target it serves beside (the aux states are the target's, the vocabulary its), and
+    every tensor of the safetensors files against what SGLang builds from the config (``drafter.tensors``)."""
+    from eagle3kit.drafter.tensors import check_files
+
+    fix = "export the drafter again from its training (`eagle3kit export sglang RUN DEST`), and do not edit it"
+    out = []
+    h_in = cfg.get("target_hidden_size", cfg.get("hidden_size"))
+    if h_in != info.hidden_size:
+        key = "target_hidden_size" if "target_hidden_size" in cfg else "hidden_size"
+        out.append(Finding("error", f"{drafter_dir / 'config.json'}: {key}={h_in!r}, but the target's hidden states "
+                           f"are {info.hidden_size} wide ({info.path})", fix))
+    if cfg.get("vocab_size") != info.vocab_size:
+        out.append(Finding("error", f"{drafter_dir / 'config.json'}: vocab_size={cfg.get('vocab_size')!r}, the "
+                           f"target's vocabulary is {info.vocab_size} ({info.path})", fix))
+    dv = cfg.get("draft_vocab_size")
+    if dv is None or (meta.get("draft_vocab_size") is not None and dv != meta["draft_vocab_size"]):
+        out.append(Finding("error", f"{drafter_dir / 'config.json'}: draft_vocab_size={dv!r}, the drafter was "
+                           f"trained with {meta.get('draft_vocab_size')} (eagle3kit.json)", fix))
+    problems = check_files(drafter_dir, cfg)
+    out.extend(Finding(level, what, fix) for level, what in problems)
+    if not problems:
+        out.append(Finding("ok", f"{drafter_dir}: every tensor SGLang 0.5.14 builds from config.json is there, of its "
+                           f"shape and dtype, nothing else, every file read to its end"))
+    return out
 
 
 PREFILL_GRAPH = ["--cuda-graph-backend-prefill", "breakable"]  # SGLang 0.5.14 prefills an EAGLE target eagerly on

@@ -2,7 +2,8 @@
 
 ``run_trial(folder)`` makes real inputs in ``folder`` (conversation files, a data set captured by the reference engine
 from the embedded target, a drafter trained on it for two steps, and broken copies of each), then runs each case of
-``CASES`` as its own ``python -m eagle3kit.cli`` process and judges what the user would see:
+``CASES`` through ``eagle3kit.cli.main`` (in this process, its output captured: a process per case cost most of the
+trial's time; a case that needs a process of its own says ``process=True``) and judges what the user would see:
 
   refused  exit status not 0, no traceback, the message names the input (and, where the case says, the fix), and
            nothing was written where the case says nothing may be
@@ -42,6 +43,9 @@ class Case:
     untouched: tuple = ()  # paths (in the trial folder) a refused run must not create or change
     kind: str = ""  # the group: data file, option, data set, drafter, params, ...
     busy: str = ""  # a folder (in the trial folder) that another run holds while the case runs (the trial holds it)
+    user_files: tuple = ()  # files (in the trial folder) made as a user's own before the case runs: must stay
+    then: tuple = ()  # the corrected command, which must then run (exit 0): the refusal left nothing in its way
+    process: bool = False  # run as its own process (else ``cli.main`` in this one, with its output captured)
 
 
 def _g(i: int) -> dict:
@@ -229,12 +233,17 @@ CASES = [
 ]
 
 
-def prepare(folder: Path, python: str = sys.executable) -> dict:
-    """The trial's inputs in ``folder``; returns how long each real one took to make (seconds)."""
+def prepare(folder: Path, python: str = sys.executable, force: bool = False) -> dict:
+    """The trial's inputs in ``folder``; returns how long each real one took to make (seconds). ``folder`` must be
+    new, empty or an earlier trial's (``folders.claim``; ``force``: any folder, emptied)."""
+    from eagle3kit.folders import claim, mark
+
+    claim(folder, "trial", force)  # raises before anything is deleted: a user's files stay
     folder.mkdir(parents=True, exist_ok=True)
     for p in folder.iterdir():  # a fresh start but for the real inputs a trial made before (they take a minute)
         if p.name not in ("ds", "tr"):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    mark(folder, "trial")
     for name, text in _files().items():
         (folder / name).write_text(text)
     (folder / "binary.jsonl").write_bytes(b'{"id": "a"}\n\xff\xfe\x00')
@@ -259,6 +268,7 @@ def prepare(folder: Path, python: str = sys.executable) -> dict:
                 raise RuntimeError(f"the trial's {what} could not be made: {r.stderr[-2000:]}")
             took[what] = round(time.time() - t0, 1)
     _broken_copies(folder)
+    mark(folder, "trial")
     return took
 
 
@@ -323,33 +333,88 @@ def run_case(case: Case, folder: Path, python: str = sys.executable, timeout: fl
         return _run_case(case, folder, python, timeout)
 
 
-def _run_case(case: Case, folder: Path, python: str, timeout: float) -> dict:
-    before = {p: _snapshot(folder / p) for p in case.untouched}
-    t0 = time.time()
+def in_process(argv: list, folder: Path) -> tuple[int, str]:
+    """``eagle3kit.cli.main(argv)`` run in this process with ``folder`` as its working directory: (exit status,
+    stdout and stderr together). An exception that escapes ``main`` is printed as the traceback a user would see."""
+    import contextlib
+    import io
+    import traceback
+
+    from eagle3kit.cli import main
+
+    buf = io.StringIO()
+    cwd, progress = os.getcwd(), os.environ.get("EAGLE3KIT_PROGRESS")
+    os.environ["EAGLE3KIT_PROGRESS"] = "0"
+    os.chdir(folder)
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            try:
+                rc = main([str(a) for a in argv])
+            except SystemExit as e:  # argparse's refusals
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:  # noqa: BLE001 - what a user would see as a traceback, judged as one
+                traceback.print_exc(file=buf)
+                rc = 1
+    finally:
+        os.chdir(cwd)
+        if progress is None:
+            os.environ.pop("EAGLE3KIT_PROGRESS", None)
+        else:
+            os.environ["EAGLE3KIT_PROGRESS"] = progress
+    return rc, buf.getvalue()
+
+
+def in_subprocess(argv: list, folder: Path, python: str = sys.executable, timeout: float = 300) -> tuple[int, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3KIT_PROGRESS": "0"}
     try:
-        r = subprocess.run([python, "-m", "eagle3kit.cli", *case.argv], cwd=folder, capture_output=True, text=True,
-                           timeout=timeout, env=env)
-        rc, out = r.returncode, r.stdout + r.stderr
+        r = subprocess.run([python, "-m", "eagle3kit.cli", *map(str, argv)], cwd=folder, capture_output=True,
+                           text=True, timeout=timeout, env=env)
+        return r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
-        rc, out = -9, f"timed out after {timeout} s: {e.stdout or ''}{e.stderr or ''}"
+        return -9, f"timed out after {timeout} s: {e.stdout or ''}{e.stderr or ''}"
+
+
+def _run_case(case: Case, folder: Path, python: str, timeout: float) -> dict:
+    for name in case.user_files:  # a user's file in a folder the command is pointed at
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("the user's own")
+    before = {p: _snapshot(folder / p) for p in case.untouched}
+    t0 = time.time()
+    rc, out = in_subprocess(case.argv, folder, python, timeout) if case.process else in_process(case.argv, folder)
     after = {p: _snapshot(folder / p) for p in case.untouched}
+    deleted = sum(not (folder / name).exists() for name in case.user_files) + sum(
+        len({f[0] for f in before[p] or []} - {f[0] for f in after[p] or []}) if isinstance(before[p], list)
+        else int(before[p] is not None and after[p] is None) for p in case.untouched)
     problem = judge(case, rc, out, before, after)
+    then_rc, then_out = None, ""
+    if problem is None and case.then:  # the corrected command must run: the refused one left nothing in its way
+        then_rc, then_out = in_process(case.then, folder)
+        if then_rc != 0:
+            problem = f"the corrected command `eagle3kit {' '.join(case.then)}` failed (exit {then_rc}): " + \
+                (then_out.strip().splitlines() or [""])[-1][:200]
     message = [ln for ln in out.strip().splitlines() if ln.startswith("eagle3kit ") or "skipped" in ln or
-               "duplicate" in ln or "checksum" in ln or "problems" in ln] or out.strip().splitlines()[-1:]
+               "duplicate" in ln or "checksum" in ln or "problems" in ln or ln.startswith("[error]")] or \
+        out.strip().splitlines()[-1:]
     return {"case": case.name, "kind": case.kind, "command": "eagle3kit " + " ".join(case.argv), "exit": rc,
             "outcome": case.outcome, "ok": problem is None, "problem": problem, "seconds": round(time.time() - t0, 1),
-            "message": (message[0] if message else "")[:400]}
+            "message": (message[0] if message else "")[:400], "user_files_deleted": deleted,
+            "silent_wrong_result": rc == 0 and case.outcome == "refused",
+            **({"then_exit": then_rc} if case.then else {}), "process": "subprocess" if case.process else "in-process"}
 
 
-def run_trial(folder, cases=None, python: str = sys.executable, log=print) -> dict:
-    """Every case in ``folder`` (made by ``prepare``); returns the metrics and writes ``trial.jsonl`` there."""
+def run_trial(folder, cases=None, python: str = sys.executable, log=print, force: bool = False) -> dict:
+    """Every case in ``folder`` (made by ``prepare``; ``force``: see there); returns the metrics and writes
+    ``trial.jsonl`` there."""
+    from eagle3kit.folders import mark
+
     folder = Path(folder)
-    took = prepare(folder, python)
+    t0 = time.time()
+    took = prepare(folder, python, force)
     rows = []
     with open(folder / "trial.jsonl", "w") as f:
         for case in cases or CASES:
             row = run_case(case, folder, python)
+            mark(folder, "trial", extra=("metrics.json",))  # what the case wrote is the trial's own
             rows.append(row)
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -359,4 +424,8 @@ def run_trial(folder, cases=None, python: str = sys.executable, log=print) -> di
     return {"bad_inputs_tried": len(rows), "bad_inputs_handled": len(rows) - len(bad), "bad_inputs_unhandled": bad,
             "bad_inputs_refused": sum(r["ok"] and r["outcome"] == "refused" for r in rows),
             "bad_inputs_counted": sum(r["ok"] and r["outcome"] == "counted" for r in rows),
-            "bad_input_kinds": sorted({r["kind"] for r in rows}), "bad_input_setup_seconds": took}
+            "user_files_deleted": sum(r["user_files_deleted"] for r in rows),
+            "silent_wrong_results": sum(r["silent_wrong_result"] for r in rows),
+            "bad_inputs_in_subprocess": sum(r["process"] == "subprocess" for r in rows),
+            "bad_input_kinds": sorted({r["kind"] for r in rows}), "bad_input_setup_seconds": took,
+            "bad_input_trial_seconds": round(time.time() - t0, 1)}

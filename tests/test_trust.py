@@ -1,0 +1,130 @@
+"""Trust, second round (#45), on the trial's own small inputs (a 6-conversation data set captured at 64 tokens, a
+drafter trained for 2 steps: seconds): nothing a user owns is deleted, the doctor fails a broken drafter naming the
+tensor, a refused run does not block its own fix, numbers are taken as users write them."""
+import json
+import shutil
+
+import pytest
+
+from eagle3kit.cli import main
+from eagle3kit.trial import SMALL, TINY_TRAIN, _files
+
+
+def run(argv, capsys):
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The trial's good.json, a data set captured from it and a drafter trained on it."""
+    root = tmp_path_factory.mktemp("trust")
+    (root / "good.json").write_text(_files()["good.json"])
+    assert main(["extract", "--data", str(root / "good.json"), "--out", str(root / "ds"), "--heldout-percent", "34",
+                 *SMALL]) == 0
+    assert main(["train", "--data", str(root / "ds"), "--out", str(root / "tr"), *TINY_TRAIN]) == 0
+    return root
+
+
+def _user_folder(path):
+    path.mkdir(parents=True)
+    (path / "thesis.txt").write_text("mine")
+    return path / "thesis.txt"
+
+
+# --- nothing a user owns is deleted -----------------------------------------------------------------------------
+
+def test_trial_refuses_a_folder_holding_the_users_files(tmp_path, capsys):
+    mine = _user_folder(tmp_path / "t")
+    rc, out = run(["trial", "--folder", tmp_path / "t", "--only", "verify"], capsys)
+    assert rc != 0 and mine.read_text() == "mine" and sorted(p.name for p in (tmp_path / "t").iterdir()) == \
+        ["thesis.txt"], out
+    assert "thesis.txt" in out and "--force" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_a_drafter_export_refuses_a_dest_holding_the_users_files(inputs, tmp_path, capsys, fmt):
+    dest = tmp_path / "x"
+    mine = _user_folder(dest)
+    rc, out = run(["export", fmt, inputs / "tr", dest], capsys)
+    assert rc != 0 and mine.read_text() == "mine" and "thesis.txt" in out and "--force" in out, out
+    assert not [p for p in tmp_path.iterdir() if p.name != "x"]  # no temp folder left
+    mine.unlink()
+    assert run(["export", fmt, inputs / "tr", dest], capsys)[0] == 0  # empty: written
+    assert run(["export", fmt, inputs / "tr", dest], capsys)[0] == 0  # its own earlier output: replaced
+    (dest / "notes.md").write_text("mine")  # a user's file beside an export makes the folder the user's again
+    rc, out = run(["export", fmt, inputs / "tr", dest], capsys)
+    assert rc != 0 and (dest / "notes.md").read_text() == "mine" and "notes.md" in out
+    assert run(["export", fmt, inputs / "tr", dest, "--force"], capsys)[0] == 0
+    assert not (dest / "notes.md").exists()
+
+
+@pytest.mark.parametrize("argv", [["export", "speculators", "{ds}", "{dest}"],
+                                  ["derive", "{ds}", "{dest}", "--storage", "fp8"],
+                                  ["compare", "{tr}", "--out", "{dest}"]])
+def test_every_command_writing_a_named_folder_refuses_the_users_files(inputs, tmp_path, capsys, argv):
+    dest = tmp_path / "d"
+    mine = _user_folder(dest)
+    argv = [a.format(ds=inputs / "ds", tr=inputs / "tr", dest=dest) for a in argv]
+    rc, out = run(argv, capsys)
+    assert rc != 0 and mine.read_text() == "mine" and "thesis.txt" in out and "--force" in out, out
+    mine.unlink()
+    assert run(argv, capsys)[0] == 0 and run(argv, capsys)[0] == 0, "an empty folder, then its own output"
+
+
+# --- the doctor fails a broken drafter, naming what -------------------------------------------------------------
+
+def _drafter(inputs, tmp_path):
+    d = tmp_path / "drafter"
+    shutil.copytree(inputs / "tr" / "best", d)
+    return d
+
+
+def test_the_doctor_passes_a_whole_drafter(inputs, tmp_path, capsys):
+    rc, out = run(["doctor", "--drafter", _drafter(inputs, tmp_path)], capsys)
+    assert rc == 0 and "every tensor" in out and "serve it with SGLang" in out, out
+
+
+def _edit(d, **kw):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(kw)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("breakage, words", [
+    ("hidden_size", ["hidden_size=640", "layers.0.self_attn.q_proj.weight", "fc.weight"]),
+    ("draft_vocab_size", ["draft_vocab_size=128", "lm_head.weight", "d2t"]),
+    ("cut", ["model.safetensors", "cut short"]),
+    ("extra tensor", ["embed_tokens.weight", "dropped"]),
+    ("bf16 -> f32", ["norm.weight", "F32"]),
+])
+def test_the_doctor_fails_a_broken_drafter_naming_the_tensor(inputs, tmp_path, capsys, breakage, words):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = _drafter(inputs, tmp_path)
+    w = d / "model.safetensors"
+    if breakage == "hidden_size":
+        _edit(d, hidden_size=640)
+    elif breakage == "draft_vocab_size":
+        _edit(d, draft_vocab_size=128)
+    elif breakage == "cut":
+        w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    else:
+        t = load_file(str(w))
+        if breakage == "extra tensor":
+            t["embed_tokens.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+        else:
+            t["norm.weight"] = t["norm.weight"].float()
+        save_file(t, str(w))
+    rc, out = run(["doctor", "--drafter", d], capsys)
+    assert rc != 0 and "serve it with" not in out and "Traceback" not in out, out
+    assert all(x in out for x in words), (words, out)
+
+
+def test_a_drafter_config_that_is_a_list_is_refused(inputs, tmp_path, capsys):
+    d = _drafter(inputs, tmp_path)
+    (d / "config.json").write_text("[1, 2]")
+    rc, out = run(["doctor", "--drafter", d], capsys)
+    assert rc != 0 and "config.json" in out and "list" in out and "Traceback" not in out, out
