@@ -128,3 +128,90 @@ def test_a_drafter_config_that_is_a_list_is_refused(inputs, tmp_path, capsys):
     (d / "config.json").write_text("[1, 2]")
     rc, out = run(["doctor", "--drafter", d], capsys)
     assert rc != 0 and "config.json" in out and "list" in out and "Traceback" not in out, out
+
+
+# --- a refused run does not block its own fix; numbers as users write them ---------------------------------------
+
+def test_an_invalid_setting_is_refused_before_anything_is_written_and_the_fix_then_runs(inputs, tmp_path, capsys):
+    out = tmp_path / "t"
+    rc, msg = run(["train", "--data", inputs / "ds", "--out", out, *TINY_TRAIN, "--set", "weight_decay=-0.1"], capsys)
+    assert rc != 0 and "weight_decay=-0.1" in msg and "Traceback" not in msg and not out.exists(), msg
+    rc, msg = run(["train", "--data", inputs / "ds", "--out", out, *TINY_TRAIN, "--set", "weight_decay=0.1",
+                   "--set", "lr=3e-4"], capsys)  # the corrected command, lr as users (and the defaults) write it
+    assert rc == 0, msg
+    assert json.loads((out / "train.json").read_text())["lr"] == 3e-4
+
+
+def test_a_check_after_setup_leaves_no_settings_behind(inputs, tmp_path, capsys):
+    """A refusal that only the data can tell (too few samples for one step) writes no train.json: the corrected
+    command is not refused as a run with other settings."""
+    out = tmp_path / "t"
+    rc, msg = run(["train", "--data", inputs / "ds", "--out", out, *TINY_TRAIN, "--set", "grad_accum=64"], capsys)
+    assert rc != 0 and "grad_accum" in msg and not (out / "train.json").exists(), msg
+    assert run(["train", "--data", inputs / "ds", "--out", out, *TINY_TRAIN], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("setting, words", [("max_minutes=-5", ["max_minutes=-5", ">= 0"]),
+                                            ("workers=-1", ["workers=-1"]), ("eval_steps=-2", ["eval_steps=-2"]),
+                                            ("lr=.nan", ["lr=nan", "finite"]),
+                                            ("device=cuda:0", ["device=cuda:0", "device=cpu"])])
+def test_negative_budgets_and_counts_are_refused(inputs, tmp_path, capsys, setting, words):
+    import torch
+
+    if setting.startswith("device") and torch.cuda.is_available():
+        pytest.skip("a machine with CUDA has the device asked for")
+    rc, msg = run(["train", "--data", inputs / "ds", "--out", tmp_path / "t", "--set", setting], capsys)
+    assert rc != 0 and all(w in msg for w in words) and not (tmp_path / "t").exists(), msg
+
+
+def test_trial_only_with_no_matching_case_runs_nothing(tmp_path, capsys):
+    rc, msg = run(["trial", "--folder", tmp_path / "t", "--only", "nosuchword"], capsys)
+    assert rc != 0 and "nosuchword" in msg and "nothing was run" in msg and not (tmp_path / "t").exists(), msg
+
+
+# --- one-line errors naming the input ----------------------------------------------------------------------------
+
+def test_verify_without_a_manifest_says_so_and_lists_the_unlisted_samples(inputs, tmp_path, capsys):
+    ds = tmp_path / "ds"
+    shutil.copytree(inputs / "ds", ds)
+    (ds / "manifest.jsonl").unlink()
+    rc, msg = run(["verify", ds], capsys)
+    assert rc != 0 and "manifest.jsonl: missing" in msg and "s0000000.rank0.safetensors" in msg, msg
+
+
+@pytest.mark.parametrize("record, words", [({"id": "a", "messages": None}, ["'messages' is null"]),
+                                           ({"id": "a", "messages": ["hi", "there"]}, ["list holding strs"])])
+def test_messages_that_are_not_turns_are_refused(tmp_path, capsys, record, words):
+    (tmp_path / "d.jsonl").write_text(json.dumps(record) + "\n")
+    rc, msg = run(["extract", "--data", tmp_path / "d.jsonl", "--out", tmp_path / "o", *SMALL], capsys)
+    assert rc != 0 and "d.jsonl" in msg and all(w in msg for w in words) and "Traceback" not in msg, msg
+
+
+@pytest.mark.parametrize("text, words", [("experiment: x\nnotebooks: [03_extract]\n", ["notebooks: a list"]),
+                                         ("experiment: x\ncommon: [a]\n", ["common: a list"]),
+                                         ("experiment: x\nnotebooks:\n  03_extract: [1]\n", ["notebooks.03_extract"])])
+def test_params_sections_that_are_not_mappings_are_refused(tmp_path, capsys, text, words):
+    from eagle3kit.trial import NB
+
+    (tmp_path / "p.yaml").write_text(text)
+    for extra in ([], ["--set", "x=1"]):
+        rc, msg = run(["run", tmp_path / "p.yaml", *NB, *extra], capsys)
+        assert rc != 0 and "p.yaml" in msg and all(w in msg for w in words) and "Traceback" not in msg, msg
+
+
+def test_a_cut_target_and_a_cut_sample(inputs, target_path, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(target_path, model, symlinks=True)
+    w = model / "model.safetensors"
+    blob = w.read_bytes()
+    w.unlink()
+    w.write_bytes(blob[: len(blob) // 3])
+    rc, msg = run(["extract", "--target", model, "--data", inputs / "good.json", "--out", tmp_path / "o", *SMALL],
+                  capsys)
+    assert rc != 0 and "model.safetensors: cut short" in msg and "Traceback" not in msg, msg
+    ds = tmp_path / "ds"
+    shutil.copytree(inputs / "ds", ds)
+    s = ds / "samples" / "s0000000.rank0.safetensors"
+    s.write_bytes(s.read_bytes()[:300])
+    rc, msg = run(["train", "--data", ds, "--out", tmp_path / "t", *TINY_TRAIN], capsys)
+    assert rc == 0 and "skipped sample" in msg and "s0000000" in msg and "Traceback" not in msg, msg

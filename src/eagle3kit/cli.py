@@ -33,9 +33,17 @@ def _extract(a):
 def _verify(a):
     from eagle3kit.store import verify
 
+    if a.reference:
+        from eagle3kit.target import check_device
+
+        check_device(a.reference_device, "--reference-device")
     rep = verify(a.out)
     for p in rep.problems[:50]:
         print(f"{p['key']}: {p['problem']}")
+    if rep.unlisted:
+        print(f"{len(rep.unlisted)} sample files the manifest does not list (not part of the data set; a rerun of the "
+              f"extraction captures those samples again): {', '.join(rep.unlisted[:10])}"
+              + (" ..." if len(rep.unlisted) > 10 else ""))
     print(f"checked {rep.checked}, ok {rep.ok}, problems {len(rep.problems)}")
     ok = rep.passed
     if a.reference:

@@ -263,6 +263,7 @@ class VerifyReport:
     checked: int = 0
     ok: int = 0
     problems: list = field(default_factory=list)  # {"key", "problem"}
+    unlisted: list = field(default_factory=list)  # sample files on disk that no manifest entry names (not data)
 
     @property
     def passed(self) -> bool:
@@ -300,6 +301,13 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
     hidden_size = hidden_size or settings.get("hidden_size")
     rep, malformed = VerifyReport(), []
     entries = read_manifest(out_dir, malformed)
+    if not (out_dir / MANIFEST).exists():
+        rep.problems.append({"key": MANIFEST, "problem": f"missing from {out_dir}: no sample is part of the data set "
+                             f"without it. Fix: rerun the extraction with the same settings into {out_dir} (it "
+                             f"captures the samples again)"})
+    listed = {e.get("file") for e in entries.values()}
+    rep.unlisted = sorted(p.name for p in (out_dir / "samples").glob("*.safetensors") if p.name not in listed) \
+        if (out_dir / "samples").is_dir() else []
     for n, text in malformed:  # a done sample's line garbled: its sample is not in the data set until recaptured
         rep.problems.append({"key": f"{MANIFEST}:{n}", "problem": f"not a sample entry ({text!r}); a resume of the "
                              f"extraction captures what it named again"})
@@ -326,7 +334,7 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
         return None
 
     ordered = sorted(entries.items(), key=lambda kv: kv[1]["index"])
-    workers = min(max(1, workers or min(8, os.cpu_count() or 1)), len(ordered))
+    workers = min(max(1, workers or min(8, os.cpu_count() or 1)), max(1, len(ordered)))
     pool = ThreadPoolExecutor(workers, thread_name_prefix="verify") if workers > 1 else None
     # in the samples' order; each thread holds one sample at a time
     problems = (pool.map if pool else map)(check, (e for _, e in ordered))

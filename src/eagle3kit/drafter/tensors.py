@@ -93,8 +93,9 @@ def expected_tensors(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
     return ARCHITECTURES[arch](cfg)
 
 
-def read_header(path: Path) -> dict[str, dict]:
-    """The tensors of one safetensors file ({name: {dtype, shape, data_offsets}}), the file read to its end: a file
+def read_header(path: Path, read_through: bool = True) -> dict[str, dict]:
+    """The tensors of one safetensors file ({name: {dtype, shape, data_offsets}}), the file read to its end
+    (``read_through``; else its size only is checked against the header): a file
     cut short, with bytes past its last tensor, or with a tensor whose byte span disagrees with its shape, raises
     TensorCheckError naming the file (and the tensor)."""
     size = path.stat().st_size
@@ -119,7 +120,7 @@ def read_header(path: Path) -> dict[str, dict]:
         if 8 + n + end != size:
             raise TensorCheckError(f"{path}: {'cut short' if 8 + n + end > size else 'bytes past its last tensor'}: "
                                    f"its tensors need {8 + n + end} bytes, the file has {size}")
-        while f.read(1 << 24):  # every byte read once: a read error surfaces here, not in the server
+        while read_through and f.read(1 << 24):  # every byte read once: a read error surfaces here, not in the server
             pass
     return header
 

@@ -124,6 +124,17 @@ class TrainConfig:
         need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}: give the gradient norm to clip to, or 0 for none")
         need(self.save_every >= 1 and self.eval_every >= 0, "save_every >= 1 (optimizer steps between resume points), "
              "eval_every >= 0")
+        for name in ("weight_decay", "max_minutes", "eval_steps", "workers", "seed"):  # counts and budgets
+            need(getattr(self, name) >= 0, f"{name}={getattr(self, name)}: must be >= 0"
+                 + (" (0: no budget)" if name == "max_minutes" else ""))
+        for name in ("lr", "weight_decay", "max_minutes", "step_decay", "grad_clip", "warmup_ratio", "min_lr_ratio"):
+            need(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)}: must be a finite number")
+        from eagle3kit.target import check_device
+
+        try:
+            check_device(self.device, "device", sep="=")
+        except ValueError as e:
+            raise TrainError(f"train setting {e}") from None
         return self
 
     @property
@@ -137,7 +148,13 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise TrainError(f"unknown train settings {unknown}; known: {sorted(known)}")
+        d = dict(d)
         for f in fields(cls):  # a value of the wrong type is a user's mistake, named before any comparison trips on it
+            if f.name in d and isinstance(d[f.name], str) and "float" in str(f.type):
+                try:  # YAML 1.1 reads 3e-4 (no dot) as a string; a user writes floats so, and the defaults print so
+                    d[f.name] = float(d[f.name])
+                except ValueError:
+                    pass
             if f.name in d and not _fits(d[f.name], f.type):
                 raise TrainError(f"train setting {f.name}={d[f.name]!r}: expected {f.type}")
         return cls(**d).validate()
@@ -254,7 +271,10 @@ def _check_final_slot(cfg: TrainConfig, source, head) -> bool:
 def count_frequencies(source, vocab_size: int) -> torch.Tensor:
     freq = torch.zeros(vocab_size, dtype=torch.int64)
     for i in range(len(source)):
-        ids, mask = source.tokens(i)
+        try:
+            ids, mask = source.tokens(i)
+        except D.SampleError:  # unreadable: the loader skips and counts it when training reaches it
+            continue
         V.count_tokens(ids, mask, vocab_size, freq)
     return freq
 
@@ -306,7 +326,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None) -> Run:
     head.final_normed = _check_final_slot(cfg, train_src, head)
     out = Path(cfg.out_dir)
     vocab_file = out / "vocab.pt"
-    if vocab_file.exists():
+    if vocab_file.exists() and (out / "train.json").exists():  # a resume's (a refused run's is made again)
         st = torch.load(vocab_file, weights_only=True)
         vocab, freq = V.DraftVocab.from_state(st), st["freq"]
     else:
@@ -624,9 +644,6 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     run = setup(cfg, dist)
-    if dist.rank == 0 and not (out / "train.json").exists():  # a resume found the same settings there
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train.json").write_text(json.dumps(_settings(cfg), indent=1, sort_keys=True))
     lengths = [run.train_src.length(i) for i in range(len(run.train_src))]
     per_step = dist.world * cfg.grad_accum * cfg.rows_per_batch  # packed rows per optimizer step
     steps_per_epoch = len(D.plan(lengths, cfg.tokens_per_batch, cfg.seed, 0)) // per_step
@@ -663,6 +680,10 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
         print(f"[train] resumed from {ckpt} at step {state['step']} of {state['total_steps']}", flush=True)
     total_steps = state["total_steps"]
     eval_steps = cfg.eval_depth
+    if dist.rank == 0 and not (out / "train.json").exists():  # a resume found the same settings there; written once
+        # every check has passed, so a refused run never locks its settings against the corrected command
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train.json").write_text(json.dumps(_settings(cfg), indent=1, sort_keys=True))
     bar = None
     if cfg.progress and dist.rank == 0:
         from eagle3kit.metrics import progress_bar
@@ -693,9 +714,10 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict) 
         m = counts.metrics("heldout_")
         row = {"step": state["step"], "tokens": state["tokens"], **m}
         log("evals.jsonl", row)
-        # nothing held out to judge by (no held-out rows): best/ is the latest drafter, never the untrained one
+        # nothing held out to judge by (no held-out rows): best/ is the latest drafter; never the untrained one (step
+        # 0 is measured, not exported: a run stopped before its first trained evaluation has no best/ at all)
         tau = m[f"heldout_tau_{cfg.serving_steps}"] if counts.valid[0] else None  # validate: eval depth >= serving
-        if (tau is None or tau > state["best_tau"]) and dist.rank == 0:
+        if state["step"] > 0 and (tau is None or tau > state["best_tau"]) and dist.rank == 0:
             state["best_tau"] = state["best_tau"] if tau is None else tau
             state["best"] = row
             export(run, out / "best", extra={"step": state["step"], "heldout": m})
