@@ -103,6 +103,8 @@ class TrainConfig:
         def need(ok, what):
             if not ok:
                 raise TrainError(f"train setting {what}")
+        for name in ("lr", "weight_decay", "max_minutes", "step_decay", "grad_clip", "warmup_ratio", "min_lr_ratio"):
+            need(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)}: must be a finite number")
         need(self.loss in LOSSES, f"loss={self.loss!r}: choose one of {LOSSES}")
         need(self.attention in ("auto", "sdpa", "flex"), f"attention={self.attention!r}: choose auto, sdpa or flex")
         need(self.lm_head in ("trained", "frozen"), f"lm_head={self.lm_head!r}: choose 'trained' or 'frozen'")
@@ -127,8 +129,6 @@ class TrainConfig:
         for name in ("weight_decay", "max_minutes", "eval_steps", "workers", "seed"):  # counts and budgets
             need(getattr(self, name) >= 0, f"{name}={getattr(self, name)}: must be >= 0"
                  + (" (0: no budget)" if name == "max_minutes" else ""))
-        for name in ("lr", "weight_decay", "max_minutes", "step_decay", "grad_clip", "warmup_ratio", "min_lr_ratio"):
-            need(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)}: must be a finite number")
         from eagle3kit.target import check_device
 
         try:
