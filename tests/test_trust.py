@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from eagle3kit.cli import main
-from eagle3kit.trial import SMALL, TINY_TRAIN, _files
+from eagle3kit.trial import SMALL, TINY_TRAIN
 
 
 def run(argv, capsys):
@@ -16,15 +16,9 @@ def run(argv, capsys):
     return rc, out.out + out.err
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    """The trial's good.json, a data set captured from it and a drafter trained on it."""
-    root = tmp_path_factory.mktemp("trust")
-    (root / "good.json").write_text(_files()["good.json"])
-    assert main(["extract", "--data", str(root / "good.json"), "--out", str(root / "ds"), "--heldout-percent", "34",
-                 *SMALL]) == 0
-    assert main(["train", "--data", str(root / "ds"), "--out", str(root / "tr"), *TINY_TRAIN]) == 0
-    return root
+@pytest.fixture
+def inputs(trial_inputs):
+    return trial_inputs
 
 
 def _user_folder(path):

@@ -428,9 +428,33 @@ def _compile_layers(cfg: TrainConfig, model, device, aux_width: int) -> bool:
 
 
 def _atomic_save(obj, path: Path) -> None:
+    """``obj`` at ``path`` by a temp file and a rename: ``path`` is the old file or the new one; a failed write (a
+    full disk) removes the temp file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def disk_full(err: BaseException, folder: Path) -> bool:
+    """Whether ``err`` (torch's, safetensors' or the OS's: each says it its own way, torch's "unexpected pos 64 vs
+    0" among them) came from a full disk under ``folder``: ENOSPC in the error or its causes, or under 1 MiB left."""
+    import errno
+    import shutil
+
+    e = err
+    while e is not None:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    try:
+        probe = next(p for p in [folder, *folder.parents] if p.exists())
+        return shutil.disk_usage(probe).free < (1 << 20)
+    except (OSError, StopIteration):
+        return False
 
 
 def _to(batch: dict, device) -> dict:
@@ -603,7 +627,18 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 torch.cuda.set_device(_device(cfg, dist))
             tdist.init_process_group("nccl" if nccl else "gloo")
     with _exclusive_out_dir(out, dist):
-        return _train(cfg, dist, out, t_call, spent)
+        try:
+            return _train(cfg, dist, out, t_call, spent)
+        except TrainError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a full disk, whichever library's write found it
+            if not disk_full(e, out):
+                raise
+            ckpt = out / "checkpoints" / "last.pt"
+            raise TrainError(f"out_dir {out}: the disk is full ({type(e).__name__} while writing). "
+                             + (f"The last checkpoint ({ckpt}) is kept; " if ckpt.exists() else "No checkpoint was "
+                                "written yet; ")
+                             + "free space there and rerun the same command: it resumes") from None
 
 
 @contextlib.contextmanager
