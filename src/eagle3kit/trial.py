@@ -9,6 +9,10 @@ trial's time; a case that needs a process of its own says ``process=True``) and 
            nothing was written where the case says nothing may be
   counted  exit 0 (the good part of the input is used), the message reports the bad part with a count or reason
 
+A case may also plant a user's file where the command is pointed (``user_files``: it must stay) and give the corrected
+command (``then``: it must then run, so the refusal left no state in its way). The metrics count ``user_files_deleted``
+(files that were there before a case and are gone after it) and ``silent_wrong_results`` (bad input taken, exit 0).
+
 A case that ends otherwise (exit 0 with bad input taken as data, a traceback, a message that does not name the input,
 a folder written by a refused run) is a failure of the product; ``eagle3kit trial`` exits 1 when one is found.
 The trial's own negative control: a good command judged as a case must fail (``tests/test_trial.py``).
@@ -70,6 +74,10 @@ def _files() -> dict:
         "params-unknown-step.yaml": "experiment: x\nsteps: [03_extrakt]\n",
         "params-wrong-type.yaml": "experiment: x\nsteps: [03_extract]\nnotebooks:\n  03_extract:\n    max_samples: many\n",
         "params-unknown-key.yaml": "experiment: x\nsteps: [03_extract]\nnotebooks:\n  03_extract:\n    max_sample: 4\n",
+        "params-notebooks-list.yaml": "experiment: x\nsteps: [03_extract]\nnotebooks: [03_extract]\n",
+        "params-common-list.yaml": "experiment: x\nsteps: [03_extract]\ncommon: [max_samples, 4]\n",
+        "messages-null.jsonl": json.dumps({"id": "m", "messages": None}) + "\n",
+        "messages-strings.jsonl": json.dumps({"id": "m", "messages": ["hello", "hi, how can I help?"]}) + "\n",
     }
 
 
@@ -230,6 +238,58 @@ CASES = [
     Case("run: --set without =", ["run", "params-unknown-step.yaml", *NB, "--set", "oops"], ("oops",), kind="params"),
     Case("compare: no run with figures", ["compare", "adir", "--out", "cmp"], ("adir",), untouched=("cmp",),
          kind="params"),
+    Case("run: notebooks given as a list", ["run", "params-notebooks-list.yaml", *NB],
+         ("params-notebooks-list.yaml", "notebooks: a list", "Fix"), kind="params"),
+    Case("run: common given as a list", ["run", "params-common-list.yaml", *NB, "--set", "max_samples=2"],
+         ("params-common-list.yaml", "common: a list", "Fix"), kind="params"),
+    # a folder the user named holds the user's own files: refused, nothing deleted (--force is the user's to give)
+    *[Case(f"{what} into a folder holding the user's files", argv,
+           (argv[-1], "thesis.txt", "--force"), untouched=(argv[-1],), user_files=(f"{argv[-1]}/thesis.txt",),
+           kind="user files")
+      for what, argv in (("trial", ["trial", "--only", "verify", "--folder", "mine-trial"]),
+                         ("export sglang of a drafter", ["export", "sglang", "tr", "mine-x1"]),
+                         ("export speculators of a drafter", ["export", "speculators", "tr", "mine-x2"]),
+                         ("export speculators of a data set", ["export", "speculators", "ds", "mine-x3"]),
+                         ("derive", ["derive", "ds", "--storage", "fp8", "mine-d"]),
+                         ("compare", ["compare", "tr", "--out", "mine-c"]))],
+    # broken drafters given to the doctor: refused naming the tensor or the key, no serving command
+    Case("doctor: config.json with hidden_size edited", ["doctor", "--drafter", "tr-hidden"],
+         ("hidden_size=640", "layers.0.self_attn.q_proj.weight", "export"), kind="doctor"),
+    Case("doctor: draft_vocab_size disagreeing with the weights", ["doctor", "--drafter", "tr-dvocab"],
+         ("draft_vocab_size=32", "lm_head.weight", "d2t"), kind="doctor"),
+    Case("doctor: model.safetensors cut in half", ["doctor", "--drafter", "tr-cut/best"],
+         ("model.safetensors", "cut short"), kind="doctor"),
+    Case("doctor: a drafter config that is a JSON list", ["doctor", "--drafter", "tr-list"],
+         ("config.json", "list", "Fix"), kind="doctor"),
+    # settings refused before anything is written, the corrected command then runs; numbers as users write them
+    Case("train: a negative weight_decay, then the corrected command",
+         ["train", "--data", "ds", "--out", "t-wd", *TINY_TRAIN, "--set", "weight_decay=-0.1"],
+         ("weight_decay=-0.1", ">= 0"), untouched=("t-wd",), kind="train setting",
+         then=("train", "--data", "ds", "--out", "t-wd", *TINY_TRAIN, "--set", "weight_decay=0.01", "--set",
+               "lr=3e-4")),
+    Case("train: a negative max_minutes", ["train", "--data", "ds", "--out", "t-mm", "--set", "max_minutes=-5"],
+         ("max_minutes=-5", ">= 0"), untouched=("t-mm",), kind="train setting"),
+    Case("train: a CUDA device this machine has not", ["train", "--data", "ds", "--out", "t-dev", "--set",
+                                                        "device=cuda:99"],
+         ("device=cuda:99", "CUDA device"), untouched=("t-dev",), kind="train setting"),
+    Case("extract: a CUDA device this machine has not", ["extract", "--data", "good.json", "--out", "o-dev",
+                                                          "--reference-device", "cuda:99", *SMALL],
+         ("--reference-device cuda:99", "CUDA device"), untouched=("o-dev",), kind="option"),
+    Case("trial: --only matching no case", ["trial", "--folder", "trial-none", "--only", "nosuchword"],
+         ("nosuchword", "nothing was run"), untouched=("trial-none",), kind="option"),
+    # damaged inputs: named in one line
+    Case("train: a sample cut short", ["train", "--data", "ds-cutsample", "--out", "t-cut", *TINY_TRAIN],
+         ("skipped sample", "s0000000"), outcome="counted", kind="data set"),
+    Case("verify: the manifest gone", ["verify", "ds-nomanifest"],
+         ("manifest.jsonl: missing", "s0000000.rank0.safetensors"), kind="data set"),
+    Case("extract: the target's model.safetensors cut short", ["extract", "--target", "model-cut", "--data",
+                                                                "good.json", "--out", "o-tcut", *SMALL],
+         ("model-cut", "model.safetensors", "cut short"), untouched=("o-tcut",), kind="target"),
+    Case('extract: "messages": null', ["extract", "--data", "messages-null.jsonl", "--out", "o-mnull", *SMALL],
+         ("messages-null.jsonl", "'messages' is null", "Fix"), untouched=("o-mnull",), kind="data file"),
+    Case("extract: messages given as a list of strings", ["extract", "--data", "messages-strings.jsonl", "--out",
+                                                           "o-mstr", *SMALL],
+         ("messages-strings.jsonl", "list holding strs", "Fix"), untouched=("o-mstr",), kind="data file"),
 ]
 
 
@@ -252,11 +312,14 @@ def prepare(folder: Path, python: str = sys.executable, force: bool = False) -> 
 
     model = Path(materialize())
     for name, keep in (("model-notok", lambda f: "token" not in f.name and f.suffix != ".jinja"),
-                       ("model-noweights", lambda f: f.suffix not in (".safetensors", ".bin", ".gguf"))):
+                       ("model-noweights", lambda f: f.suffix not in (".safetensors", ".bin", ".gguf")),
+                       ("model-cut", lambda f: f.suffix != ".safetensors")):
         (folder / name).mkdir(exist_ok=True)
         for f in model.iterdir():
             if f.is_file() and keep(f) and not (folder / name / f.name).exists():
                 os.symlink(f, folder / name / f.name)
+    with open(model / "model.safetensors", "rb") as f:  # an interrupted download: the first MiB of the weights
+        (folder / "model-cut" / "model.safetensors").write_bytes(f.read(1 << 20))
     took = {}
     for what, argv, out in (("data set", ["extract", "--data", "good.json", "--out", "ds", "--heldout-percent", "34",
                                           *SMALL], "ds"),
@@ -274,7 +337,15 @@ def prepare(folder: Path, python: str = sys.executable, force: bool = False) -> 
 
 def _broken_copies(folder: Path) -> None:
     ds, tr = folder / "ds", folder / "tr"
-    for name in ("ds-flip", "ds-missing", "ds-badmanifest", "ds-repair", "tr-pickle", "tr-cut", "tr-busy"):
+    for name in ("tr-hidden", "tr-dvocab", "tr-list"):  # exported drafters (tr's best/) edited
+        shutil.rmtree(folder / name, ignore_errors=True)
+        shutil.copytree(tr / "best", folder / name)
+    for name, edit in (("tr-hidden", {"hidden_size": 640}), ("tr-dvocab", {"draft_vocab_size": 32})):
+        cfg = json.loads((folder / name / "config.json").read_text())
+        (folder / name / "config.json").write_text(json.dumps({**cfg, **edit}, indent=1))
+    (folder / "tr-list" / "config.json").write_text(json.dumps([json.loads((tr / "best" / "config.json").read_text())]))
+    for name in ("ds-flip", "ds-missing", "ds-badmanifest", "ds-repair", "tr-pickle", "tr-cut", "tr-busy",
+                 "ds-cutsample", "ds-nomanifest"):
         shutil.rmtree(folder / name, ignore_errors=True)
         shutil.copytree(ds if name.startswith("ds") else tr, folder / name)
     for d in ("ds-flip", "ds-repair"):
@@ -295,6 +366,9 @@ def _broken_copies(folder: Path) -> None:
     (folder / "tr-pickle" / "checkpoints" / "last.pt").write_bytes(pickle.dumps({"model": Planted()}))
     w = folder / "tr-cut" / "best" / "model.safetensors"
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    f = folder / "ds-cutsample" / "samples" / "s0000000.rank0.safetensors"
+    f.write_bytes(f.read_bytes()[:300])  # an interrupted copy: its header, not its tensors
+    (folder / "ds-nomanifest" / "manifest.jsonl").unlink()
 
 
 def _snapshot(path: Path):
@@ -382,9 +456,10 @@ def _run_case(case: Case, folder: Path, python: str, timeout: float) -> dict:
     t0 = time.time()
     rc, out = in_subprocess(case.argv, folder, python, timeout) if case.process else in_process(case.argv, folder)
     after = {p: _snapshot(folder / p) for p in case.untouched}
-    deleted = sum(not (folder / name).exists() for name in case.user_files) + sum(
-        len({f[0] for f in before[p] or []} - {f[0] for f in after[p] or []}) if isinstance(before[p], list)
-        else int(before[p] is not None and after[p] is None) for p in case.untouched)
+    deleted = len({name for name in case.user_files if not (folder / name).exists()} | {  # files there before, gone
+        str(Path(p) / f) if isinstance(before[p], list) else p for p in case.untouched if before[p] is not None
+        for f in ({x[0] for x in before[p]} - {x[0] for x in after[p] or []} if isinstance(before[p], list)
+                  else ({""} if after[p] is None else set()))})
     problem = judge(case, rc, out, before, after)
     then_rc, then_out = None, ""
     if problem is None and case.then:  # the corrected command must run: the refused one left nothing in its way
