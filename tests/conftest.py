@@ -94,3 +94,18 @@ def small_dataset(target_path, tmp_path_factory):
     run_extraction(target=str(target_path), out_dir=out, engine="transformers", max_samples=24, max_tokens=192,
                    heldout_percent=25, final_normed=True, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def trial_inputs(tmp_path_factory):
+    """The bad-input trial's own small inputs (seconds): its good.json (6 conversations), a data set captured from it
+    at 64 tokens (a third held out) and a drafter trained on it for 2 steps (``tr``)."""
+    from eagle3kit.cli import main
+    from eagle3kit.trial import SMALL, TINY_TRAIN, _files
+
+    root = tmp_path_factory.mktemp("trial-inputs")
+    (root / "good.json").write_text(_files()["good.json"])
+    assert main(["extract", "--data", str(root / "good.json"), "--out", str(root / "ds"), "--heldout-percent", "34",
+                 *SMALL]) == 0
+    assert main(["train", "--data", str(root / "ds"), "--out", str(root / "tr"), *TINY_TRAIN]) == 0
+    return root

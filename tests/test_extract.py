@@ -260,8 +260,11 @@ def test_exporters_speculators_and_specforge(tmp_path, extracted, samples):
     T = len(samples[0].input_ids)
     assert d["aux_hidden_state"].shape == (1, T, 3 * 576) and d["hidden_state"].shape == (1, T, 576)
     assert f["rows"] == len(samples)
-    with pytest.raises(StoreError, match="not empty"):
+    assert to_specforge(out, tmp_path / "sf", split="all")["rows"] == f["rows"]  # its own earlier export: replaced
+    (tmp_path / "sf" / "notes.txt").write_text("the user's")  # a user's file there: refused, kept
+    with pytest.raises(StoreError, match="not empty.*notes.txt"):
         to_specforge(out, tmp_path / "sf", split="all")
+    assert (tmp_path / "sf" / "notes.txt").read_text() == "the user's"
 
 
 def test_a_post_norm_final_slot_goes_to_specforge_only(tmp_path, extracted):

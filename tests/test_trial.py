@@ -1,8 +1,8 @@
 """The bad-input trial (#12) through the real command line: every case of ``eagle3kit.trial.CASES`` (data files,
 options, targets, resumes, data sets, training settings, drafters, doctor, params) is refused naming the input, or
 counted and reported, with no traceback and nothing written where a refused run may not write. The trial's own
-negative controls: a good command, a message that does not name the input, a refused run that wrote, and a
-traceback are each judged a failure."""
+negative controls: a good command, a message that does not name the input, a refused run that wrote, a traceback,
+a user's file deleted and a corrected command that fails are each judged a failure."""
 import json
 import subprocess
 import sys
@@ -26,6 +26,16 @@ def test_every_bad_input_is_refused_or_counted(tmp_path):
     free = run_case(Case(busy.name, busy.argv, busy.words, untouched=busy.untouched, kind=busy.kind),
                     tmp_path / "trial")
     assert not free["ok"] and free["problem"].startswith("exit 0")
+    # the counters see what they count: the user's file deleted by an export the user forced, taken (exit 0)
+    forced = run_case(Case("forced", ["export", "sglang", "tr", "mine-forced", "--force"], ("mine-forced",),
+                           untouched=("mine-forced",), user_files=("mine-forced/thesis.txt",)), tmp_path / "trial")
+    assert forced["user_files_deleted"] == 1 and forced["silent_wrong_result"] and not forced["ok"]
+    assert m["user_files_deleted"] == 0 and m["silent_wrong_results"] == 0
+    # and the corrected command of a case must run: one that fails again is judged a failure
+    blocked = run_case(Case("blocked", ["train", "--data", "ds", "--out", "t-blocked", "--set", "lr=-1"], ("lr",),
+                            then=("train", "--data", "ds", "--out", "t-blocked", "--set", "lr=-2")),
+                       tmp_path / "trial")
+    assert not blocked["ok"] and blocked["problem"].startswith("the corrected command"), blocked
 
 
 def test_the_judge_fails_what_a_user_must_not_see():

@@ -33,9 +33,17 @@ def _extract(a):
 def _verify(a):
     from eagle3kit.store import verify
 
+    if a.reference:
+        from eagle3kit.target import check_device
+
+        check_device(a.reference_device, "--reference-device")
     rep = verify(a.out)
     for p in rep.problems[:50]:
         print(f"{p['key']}: {p['problem']}")
+    if rep.unlisted:
+        print(f"{len(rep.unlisted)} sample files the manifest does not list (not part of the data set; a rerun of the "
+              f"extraction captures those samples again): {', '.join(rep.unlisted[:10])}"
+              + (" ..." if len(rep.unlisted) > 10 else ""))
     print(f"checked {rep.checked}, ok {rep.ok}, problems {len(rep.problems)}")
     ok = rep.passed
     if a.reference:
@@ -64,20 +72,20 @@ def _export(a):
         from eagle3kit.drafter.export import export_drafter
 
         print(json.dumps(export_drafter(src, a.dest, a.format, checkpoint=a.checkpoint,
-                                        sglang_layer_ids=a.override_sglang_layer_ids), indent=1))
+                                        sglang_layer_ids=a.override_sglang_layer_ids, force=a.force), indent=1))
         return 0
     if a.format == "sglang":
         raise ValueError(f"{src} is not a drafter (no train.json / eagle3kit.json): `export sglang` writes a trained "
                          f"drafter for SGLang; pass the out_dir of `eagle3kit train`")
     fn = {"speculators": export.to_speculators, "specforge": export.to_specforge}[a.format]
-    print(json.dumps(fn(a.out, a.dest, split=a.split), indent=1))
+    print(json.dumps(fn(a.out, a.dest, split=a.split, force=a.force), indent=1))
     return 0
 
 
 def _derive(a):
     from eagle3kit.store import derive
 
-    print(json.dumps(derive(a.out, a.dest, storage=a.storage, final_slot=a.final_slot), indent=1))
+    print(json.dumps(derive(a.out, a.dest, storage=a.storage, final_slot=a.final_slot, force=a.force), indent=1))
     return 0
 
 
@@ -122,7 +130,11 @@ def _compare(a):
     if len(rows) < len(a.runs):
         raise ValueError(f"{len(a.runs) - len(rows)} of the {len(a.runs)} runs given gave no row (above); "
                          f"give run folders or metrics.json files with acceptance or training figures")
+    from eagle3kit.folders import claim, mark
+
+    claim(a.out, "compare", a.force)  # before anything is written: a user's file named compare.txt stays
     print(write_report(rows, Path(a.out)))
+    mark(a.out, "compare")
     return 0
 
 
@@ -167,7 +179,10 @@ def _trial(a):
     from eagle3kit.trial import CASES, run_trial
 
     cases = [c for c in CASES if not a.only or any(w in c.name for w in a.only)]
-    m = run_trial(a.folder, cases)
+    if not cases:
+        raise ValueError(f"--only {' '.join(a.only)}: no case's name holds these words, so nothing was run. Fix: "
+                         f"words from the case names (`eagle3kit trial` prints them), e.g. --only verify train")
+    m = run_trial(a.folder, cases, force=a.force)
     from eagle3kit.metrics import update_json
 
     for path in [Path(a.folder) / "metrics.json"] + ([Path(a.metrics)] if a.metrics else []):
@@ -244,12 +259,16 @@ def main(argv=None) -> int:
     x.add_argument("--override-sglang-layer-ids", type=int, nargs="+", default=None,
                    help="drafters, sglang: write these layer ids instead of the training layers' (experiments only; "
                         "the doctor flags the result)")
+    x.add_argument("--force", action="store_true",
+                   help="replace DEST even when it holds files eagle3kit did not write there (default: refused)")
 
     g = sub.add_parser("derive", help="a data set re-encoded: fp8 storage, or the final slot post-norm (experiment)")
     g.add_argument("out")
     g.add_argument("dest")
     g.add_argument("--storage", choices=["bf16", "fp8"], default=None)
     g.add_argument("--final-slot", choices=["post_norm"], default=None)
+    g.add_argument("--force", action="store_true",
+                   help="replace DEST even when it holds files eagle3kit did not write there (default: refused)")
 
     t = sub.add_parser("train", help="train an EAGLE-3 drafter on an extracted data set, or live from captures "
                                      "(--live) (torchrun for several ranks)")
@@ -271,6 +290,8 @@ def main(argv=None) -> int:
     c = sub.add_parser("compare", help="accept-length and speedup table and plots of several runs' metrics.json")
     c.add_argument("runs", nargs="+", help="run folders or metrics.json files (searched recursively)")
     c.add_argument("--out", default="outputs/compare")
+    c.add_argument("--force", action="store_true",
+                   help="write into --out even when it holds files eagle3kit compare did not write (default: refused)")
 
     d = sub.add_parser("doctor", help="will SGLang feed a drafter what it was trained on? (layers, norms, options)")
     d.add_argument("--drafter", help="an exported drafter folder (config.json + eagle3kit.json)")
@@ -283,6 +304,8 @@ def main(argv=None) -> int:
     b.add_argument("--folder", default="outputs/trial", help="where its inputs are made and the cases run")
     b.add_argument("--metrics", help="also merge the figures into this metrics.json (a record's)")
     b.add_argument("--only", nargs="+", metavar="WORD", help="only the cases whose name holds one of these words")
+    b.add_argument("--force", action="store_true",
+                   help="use --folder even when it holds files an earlier trial did not write (they are deleted)")
 
     m = sub.add_parser("materialize", help="write the embedded model as a Hugging Face directory; print its path")
     m.add_argument("name", nargs="?", default="smollm2")

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from eagle3kit.layers import Diagnosis, Finding, check, post_norm_share
+from eagle3kit.drafter.tensors import mla_expected_tensors  # noqa: F401 - the MLA head's table (tests read it here)
 
 
 def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
@@ -22,8 +23,16 @@ def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
     except (OSError, ValueError) as e:
         raise ValueError(f"{drafter_dir / 'config.json'}: not a readable drafter config ({e}). Fix: pass the folder "
                          f"`eagle3kit train` exported (best/ or final/)") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{drafter_dir / 'config.json'}: a JSON {type(cfg).__name__}, not the drafter config (an "
+                         f"object). Fix: pass the folder `eagle3kit train` exported (best/ or final/)")
     meta_path = drafter_dir / "eagle3kit.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    try:
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{meta_path}: not readable JSON ({e}). Fix: export the drafter again") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: a JSON {type(meta).__name__}, not an object. Fix: export the drafter again")
     target = target or meta.get("target")
     if not target:
         raise ValueError(f"{drafter_dir}: no eagle3kit.json naming the target: pass --target")
@@ -45,9 +54,37 @@ def diagnose(drafter_dir, target=None, data=None, probe: int = 4) -> Diagnosis:
     d.findings.extend(check_options(cfg, meta))
     if (cfg.get("architectures") or [""])[0] == MLA_ARCH:
         d.findings.extend(check_mla(drafter_dir, cfg))
+    d.findings.extend(check_weights(drafter_dir, cfg, info, meta))
     if data:
         d.findings.extend(check_data(data, target, probe).findings)
     return d
+
+
+def check_weights(drafter_dir: Path, cfg: dict, info, meta: dict) -> list[Finding]:
+    """The config against the target it serves beside (the aux states are the target's, the vocabulary its), and
+    every tensor of the safetensors files against what SGLang builds from the config (``drafter.tensors``)."""
+    from eagle3kit.drafter.tensors import check_files
+
+    fix = "export the drafter again from its training (`eagle3kit export sglang RUN DEST`), and do not edit it"
+    out = []
+    h_in = cfg.get("target_hidden_size", cfg.get("hidden_size"))
+    if h_in != info.hidden_size:
+        key = "target_hidden_size" if "target_hidden_size" in cfg else "hidden_size"
+        out.append(Finding("error", f"{drafter_dir / 'config.json'}: {key}={h_in!r}, but the target's hidden states "
+                           f"are {info.hidden_size} wide ({info.path})", fix))
+    if cfg.get("vocab_size") != info.vocab_size:
+        out.append(Finding("error", f"{drafter_dir / 'config.json'}: vocab_size={cfg.get('vocab_size')!r}, the "
+                           f"target's vocabulary is {info.vocab_size} ({info.path})", fix))
+    dv = cfg.get("draft_vocab_size")
+    if dv is None or (meta.get("draft_vocab_size") is not None and dv != meta["draft_vocab_size"]):
+        out.append(Finding("error", f"{drafter_dir / 'config.json'}: draft_vocab_size={dv!r}, the drafter was "
+                           f"trained with {meta.get('draft_vocab_size')} (eagle3kit.json)", fix))
+    problems = check_files(drafter_dir, cfg)
+    out.extend(Finding(level, what, fix) for level, what in problems)
+    if not problems:
+        out.append(Finding("ok", f"{drafter_dir}: every tensor SGLang 0.5.14 builds from config.json is there, of its "
+                           f"shape and dtype, nothing else, every file read to its end"))
+    return out
 
 
 PREFILL_GRAPH = ["--cuda-graph-backend-prefill", "breakable"]  # SGLang 0.5.14 prefills an EAGLE target eagerly on
@@ -127,35 +164,6 @@ def check_data(data, target, probe: int = 4) -> Diagnosis:
 
 
 MLA_ARCH = "Eagle3DeepseekV2ForCausalLM"
-
-
-def mla_expected_tensors(config: dict) -> dict:
-    """{name: (shape, dtype)} of every tensor an MLA export holds, as SGLang 0.5.14's Eagle3DeepseekV2ForCausalLM
-    builds and loads them from ``config`` (kimi_k25_eagle3.py:116-122, 143-147, 199-240, 344-349, 413-505;
-    deepseek_v2.py:1544-1631): ``q_a_proj`` and ``kv_a_proj_with_mqa`` rows fill the fused [q_lora + kv_lora + rope,
-    2H] projection, ``kv_b_proj`` is split into w_kc / w_vc after loading, ``d2t`` gives the hot token ids. No
-    ``embed_tokens``: SGLang takes the target's (set_embed)."""
-    h, th = config["hidden_size"], config.get("target_hidden_size") or config["hidden_size"]
-    nh, nope, rope = config["num_attention_heads"], config["qk_nope_head_dim"], config["qk_rope_head_dim"]
-    qr, kr, vd, inter = config["q_lora_rank"], config["kv_lora_rank"], config["v_head_dim"], config["intermediate_size"]
-    eagle = config.get("eagle_config") or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids"))
-    n = len(ids) if ids is not None else 3
-    vocab = config.get("draft_vocab_size") or config["vocab_size"]
-    bf = "bfloat16"
-    a = "layers.0.self_attn."
-    out = {"fc.weight": ((h, n * th), bf), "norm.weight": ((h,), bf), "lm_head.weight": ((vocab, h), bf),
-           "d2t": ((vocab,), "int64"),
-           a + "q_a_proj.weight": ((qr, 2 * h), bf), a + "q_a_layernorm.weight": ((qr,), bf),
-           a + "q_b_proj.weight": ((nh * (nope + rope), qr), bf),
-           a + "kv_a_proj_with_mqa.weight": ((kr + rope, 2 * h), bf), a + "kv_a_layernorm.weight": ((kr,), bf),
-           a + "kv_b_proj.weight": ((nh * (nope + vd), kr), bf), a + "o_proj.weight": ((h, nh * vd), bf),
-           "layers.0.mlp.gate_proj.weight": ((inter, h), bf), "layers.0.mlp.up_proj.weight": ((inter, h), bf),
-           "layers.0.mlp.down_proj.weight": ((h, inter), bf), "layers.0.input_layernorm.weight": ((h,), bf),
-           "layers.0.hidden_norm.weight": ((h,), bf), "layers.0.post_attention_layernorm.weight": ((h,), bf)}
-    if config.get("fc_norm") or config.get("use_aux_norm"):
-        out.update({f"fc_norm.{i}.weight": ((th,), bf) for i in range(n)})
-    return out
 
 
 def check_options(cfg: dict, meta: dict) -> list:

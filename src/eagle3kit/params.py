@@ -62,8 +62,23 @@ def parse_override(item: str) -> tuple[str | None, str, object]:
     return step, k, yaml.safe_load(raw)
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
+def check_mappings(data: dict, source: str = "params") -> None:
+    """``common``, ``notebooks`` and each ``notebooks.<step>`` are mappings (a list there, a natural slip in YAML,
+    would fail deep inside with a traceback): ParamsError naming the key and the fix."""
+    for key in ("common", "notebooks"):  # mappings; a list here (a natural slip in YAML) would fail deep inside
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise ParamsError(f"{source}: {key}: a {type(data[key]).__name__}, not a mapping. Fix: write it as "
+                              + ("`common:` then indented `key: value` lines" if key == "common" else
+                                 "`notebooks:` then `  <step>:` then indented `key: value` lines"))
+    for s, section in (data.get("notebooks") or {}).items():
+        if section is not None and not isinstance(section, dict):
+            raise ParamsError(f"{source}: notebooks.{s}: a {type(section).__name__}, not a mapping of parameters. "
+                              f"Fix: indented `key: value` lines under it")
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str = "params") -> dict:
     """``--set step.key=value`` / ``--set key=value`` (common), as ``parse_override`` reads them."""
+    check_mappings(data, source)
     for item in overrides:
         step, k, value = parse_override(item)
         if step is not None:
@@ -80,6 +95,7 @@ def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None
     ``declared`` maps step name -> {param name: {"inferred_type_name": ..., "default": ...}}. ``cli_common``: the
     common keys given on the command line (``--set key=value``), which must reach a step run now.
     """
+    check_mappings(data, source)
     unknown_top = set(data) - TOP_KEYS
     if unknown_top:
         k = sorted(unknown_top)[0]

@@ -43,6 +43,10 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
     if prefill_graph and final_normed:
         raise ValueError("--final-normed with --prefill-graph: the last slot already is the final norm's output "
                          "there. Fix: drop --final-normed")
+    if engine == "transformers":
+        from eagle3kit.target import check_device
+
+        check_device(str(reference_device), "--reference-device")
     if reference_batch_tokens is None:
         reference_batch_tokens = 16384 if str(reference_device).startswith("cuda") else 0
     if reference_batch_tokens < 0:
@@ -50,6 +54,10 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
                          f"positive token budget per forward")
     path = resolve_target(target)
     info = TargetInfo.read(path)
+    if not urls:  # weights loaded here (the reference engine, or the SGLang server started here)
+        from eagle3kit.target import check_weight_files
+
+        check_weight_files(path)
     aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
     check_extraction_settings(out_dir, aux, info.num_layers, max_samples, max_tokens, heldout_percent, concurrency,
                               world_size, rank, regenerate_max_new_tokens, regenerate_minutes, regenerate_servers,

@@ -84,7 +84,7 @@ def private_kernel():
 
 
 def plan_run(params_file: Path, notebooks_dir: Path, only=None, overrides=()) -> Plan:
-    data = apply_overrides(load_yaml(params_file), list(overrides))
+    data = apply_overrides(load_yaml(params_file), list(overrides), str(params_file))
     available = notebooks_in(notebooks_dir)
     if not available:
         raise ParamsError(f"no notebooks in {notebooks_dir}: pass --notebooks DIR")

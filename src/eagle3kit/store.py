@@ -263,6 +263,7 @@ class VerifyReport:
     checked: int = 0
     ok: int = 0
     problems: list = field(default_factory=list)  # {"key", "problem"}
+    unlisted: list = field(default_factory=list)  # sample files on disk that no manifest entry names (not data)
 
     @property
     def passed(self) -> bool:
@@ -300,6 +301,13 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
     hidden_size = hidden_size or settings.get("hidden_size")
     rep, malformed = VerifyReport(), []
     entries = read_manifest(out_dir, malformed)
+    if not (out_dir / MANIFEST).exists():
+        rep.problems.append({"key": MANIFEST, "problem": f"missing from {out_dir}: no sample is part of the data set "
+                             f"without it. Fix: rerun the extraction with the same settings into {out_dir} (it "
+                             f"captures the samples again)"})
+    listed = {e.get("file") for e in entries.values()}
+    rep.unlisted = sorted(p.name for p in (out_dir / "samples").glob("*.safetensors") if p.name not in listed) \
+        if (out_dir / "samples").is_dir() else []
     for n, text in malformed:  # a done sample's line garbled: its sample is not in the data set until recaptured
         rep.problems.append({"key": f"{MANIFEST}:{n}", "problem": f"not a sample entry ({text!r}); a resume of the "
                              f"extraction captures what it named again"})
@@ -326,7 +334,7 @@ def verify(out_dir, expected_states: int | None = None, hidden_size: int | None 
         return None
 
     ordered = sorted(entries.items(), key=lambda kv: kv[1]["index"])
-    workers = min(max(1, workers or min(8, os.cpu_count() or 1)), len(ordered))
+    workers = min(max(1, workers or min(8, os.cpu_count() or 1)), max(1, len(ordered)))
     pool = ThreadPoolExecutor(workers, thread_name_prefix="verify") if workers > 1 else None
     # in the samples' order; each thread holds one sample at a time
     problems = (pool.map if pool else map)(check, (e for _, e in ordered))
@@ -349,38 +357,46 @@ def _file_metadata(blob: bytes) -> dict:
     return json.loads(blob[8:8 + n]).get("__metadata__", {})
 
 
-def _refuse_used(dest: Path, what: str) -> None:
-    """StoreError when ``dest`` is a file or a folder that holds anything (nothing is changed then)."""
-    if dest.exists() and not dest.is_dir():
-        raise StoreError(f"{dest} is a file: {what} into a new folder (nothing was changed)")
-    if dest.exists() and any(dest.iterdir()):
-        raise StoreError(f"{dest} is not empty: {what} into a new folder (nothing was changed)")
+def new_folder(dest, what: str, force: bool = False) -> Path:
+    """``dest`` made as an empty folder for ``what`` (derive, export) to write; a ``FolderError`` (a StoreError too)
+    when ``folders.claim`` refuses it (a file, or a folder holding what ``what`` did not write; nothing is changed
+    then)."""
+    import shutil
 
+    from eagle3kit.folders import FolderError, claim
 
-def new_folder(dest, what: str) -> Path:
-    """``dest`` made as an empty folder for ``what`` (derive, export) to write; StoreError when it is a file or holds
-    anything (nothing is changed then)."""
     dest = Path(dest)
-    _refuse_used(dest, what)
+    try:
+        replace = claim(dest, what, force)
+    except FolderError as e:
+        raise StoreError(str(e)) from None
+    if replace:
+        shutil.rmtree(dest)
     dest.mkdir(parents=True, exist_ok=True)
     return dest
 
 
 def publish(tmp: Path, dest: Path) -> Path:
     """``tmp`` (a folder written beside ``dest``, made by mkdtemp) becomes ``dest`` by one rename, readable by other
-    users (mkdtemp's 0700 would keep a server running as another user out); a ``dest`` already there is replaced."""
+    users (mkdtemp's 0700 would keep a server running as another user out); a ``dest`` already there is replaced (the
+    caller has ``folders.claim``-ed it)."""
     import shutil
 
     os.chmod(tmp, 0o755)
-    if dest.exists():
-        shutil.rmtree(dest)
+    old = None
+    if dest.exists():  # moved aside first: ``dest`` is the old folder or the new one, never a part of either
+        old = dest.with_name(f"{tmp.name}.old")
+        os.replace(dest, old)
     os.replace(tmp, dest)
     _fsync_path(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return dest
 
 
 def leaves_no_partial_dest(fn):
-    """For ``fn(src, dest, ...)`` writing a new folder ``dest`` (it must be new, or an empty folder): ``fn`` writes
+    """For ``fn(src, dest, ...)`` writing a new folder ``dest`` (new, empty, ``fn``'s own earlier output, or any
+    folder with ``force=True``: ``folders.claim``): ``fn`` writes
     into a hidden sibling (``.<name>.partial-*``) that becomes ``dest`` by one rename when it returns. So ``dest``
     never holds a part: not when ``fn`` raises (the sibling is removed and ``dest`` left as it was, so a rerun after
     the fix finds it as before), and not when the process is killed (a killed SpecForge export used to leave a
@@ -389,14 +405,22 @@ def leaves_no_partial_dest(fn):
     import shutil
     import tempfile
 
+    from eagle3kit.folders import FolderError, claim, mark
+
+    kind = fn.__name__.replace("to_", "export ")  # derive, export speculators, export specforge
+
     @functools.wraps(fn)
-    def wrapper(src, dest, *args, **kwargs):
+    def wrapper(src, dest, *args, force: bool = False, **kwargs):
         dest_path = Path(dest)
-        _refuse_used(dest_path, "write")
+        try:
+            claim(dest_path, kind, force)  # nothing the user put there is replaced (``folders``)
+        except FolderError as e:
+            raise StoreError(str(e)) from None
         dest_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest_path.name}.partial-", dir=dest_path.parent))
         try:
             out = fn(src, tmp, *args, **kwargs)
+            mark(tmp, kind)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

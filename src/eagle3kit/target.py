@@ -226,3 +226,35 @@ def reply_problems(reply: str, expect_any=(), min_words: int = 8) -> list[str]:
     if expect_any and not any(stem.lower() in reply.lower() for stem in expect_any):
         problems.append(f"mentions none of {list(expect_any)} (off the prompt's topic)")
     return problems
+
+
+def check_device(device: str, flag: str, sep: str = " ") -> None:
+    """ValueError naming ``flag`` when ``device`` is not one torch knows (cpu, cuda, cuda:N, auto) or asks for a GPU
+    this machine has not (else torch fails deep inside with a traceback)."""
+    import torch
+
+    if device == "auto":
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{flag}{sep}{device}: not a device; choose cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{flag}{sep}{device}: this machine has no CUDA device (torch {torch.__version__}). Fix: "
+                         f"{flag}{sep}cpu") from None
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"{flag}{sep}{device}: this machine has {torch.cuda.device_count()} CUDA devices (0 to "
+                         f"{torch.cuda.device_count() - 1})")
+
+
+def check_weight_files(path) -> None:
+    """Every ``*.safetensors`` file of a target folder whole by its header (the tensors' byte spans against the
+    file's size; not read through: a target may be hundreds of GB): ValueError naming the file and the fix when one
+    was cut (an interrupted copy), which transformers and SGLang report only as a traceback."""
+    from eagle3kit.drafter.tensors import TensorCheckError, read_header
+
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            read_header(f, read_through=False)
+        except TensorCheckError as e:
+            raise ValueError(f"target {path}: {e}. Fix: copy or download the model again") from None

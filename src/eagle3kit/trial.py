@@ -2,11 +2,16 @@
 
 ``run_trial(folder)`` makes real inputs in ``folder`` (conversation files, a data set captured by the reference engine
 from the embedded target, a drafter trained on it for two steps, and broken copies of each), then runs each case of
-``CASES`` as its own ``python -m eagle3kit.cli`` process and judges what the user would see:
+``CASES`` through ``eagle3kit.cli.main`` (in this process, its output captured: a process per case cost most of the
+trial's time; a case that needs a process of its own says ``process=True``) and judges what the user would see:
 
   refused  exit status not 0, no traceback, the message names the input (and, where the case says, the fix), and
            nothing was written where the case says nothing may be
   counted  exit 0 (the good part of the input is used), the message reports the bad part with a count or reason
+
+A case may also plant a user's file where the command is pointed (``user_files``: it must stay) and give the corrected
+command (``then``: it must then run, so the refusal left no state in its way). The metrics count ``user_files_deleted``
+(files that were there before a case and are gone after it) and ``silent_wrong_results`` (bad input taken, exit 0).
 
 A case that ends otherwise (exit 0 with bad input taken as data, a traceback, a message that does not name the input,
 a folder written by a refused run) is a failure of the product; ``eagle3kit trial`` exits 1 when one is found.
@@ -42,6 +47,9 @@ class Case:
     untouched: tuple = ()  # paths (in the trial folder) a refused run must not create or change
     kind: str = ""  # the group: data file, option, data set, drafter, params, ...
     busy: str = ""  # a folder (in the trial folder) that another run holds while the case runs (the trial holds it)
+    user_files: tuple = ()  # files (in the trial folder) made as a user's own before the case runs: must stay
+    then: tuple = ()  # the corrected command, which must then run (exit 0): the refusal left nothing in its way
+    process: bool = False  # run as its own process (else ``cli.main`` in this one, with its output captured)
 
 
 def _g(i: int) -> dict:
@@ -66,6 +74,10 @@ def _files() -> dict:
         "params-unknown-step.yaml": "experiment: x\nsteps: [03_extrakt]\n",
         "params-wrong-type.yaml": "experiment: x\nsteps: [03_extract]\nnotebooks:\n  03_extract:\n    max_samples: many\n",
         "params-unknown-key.yaml": "experiment: x\nsteps: [03_extract]\nnotebooks:\n  03_extract:\n    max_sample: 4\n",
+        "params-notebooks-list.yaml": "experiment: x\nsteps: [03_extract]\nnotebooks: [03_extract]\n",
+        "params-common-list.yaml": "experiment: x\nsteps: [03_extract]\ncommon: [max_samples, 4]\n",
+        "messages-null.jsonl": json.dumps({"id": "m", "messages": None}) + "\n",
+        "messages-strings.jsonl": json.dumps({"id": "m", "messages": ["hello", "hi, how can I help?"]}) + "\n",
     }
 
 
@@ -226,15 +238,72 @@ CASES = [
     Case("run: --set without =", ["run", "params-unknown-step.yaml", *NB, "--set", "oops"], ("oops",), kind="params"),
     Case("compare: no run with figures", ["compare", "adir", "--out", "cmp"], ("adir",), untouched=("cmp",),
          kind="params"),
+    Case("run: notebooks given as a list", ["run", "params-notebooks-list.yaml", *NB],
+         ("params-notebooks-list.yaml", "notebooks: a list", "Fix"), kind="params"),
+    Case("run: common given as a list", ["run", "params-common-list.yaml", *NB, "--set", "max_samples=2"],
+         ("params-common-list.yaml", "common: a list", "Fix"), kind="params"),
+    # a folder the user named holds the user's own files: refused, nothing deleted (--force is the user's to give)
+    *[Case(f"{what} into a folder holding the user's files", argv,
+           (argv[-1], "thesis.txt", "--force"), untouched=(argv[-1],), user_files=(f"{argv[-1]}/thesis.txt",),
+           kind="user files")
+      for what, argv in (("trial", ["trial", "--only", "verify", "--folder", "mine-trial"]),
+                         ("export sglang of a drafter", ["export", "sglang", "tr", "mine-x1"]),
+                         ("export speculators of a drafter", ["export", "speculators", "tr", "mine-x2"]),
+                         ("export speculators of a data set", ["export", "speculators", "ds", "mine-x3"]),
+                         ("derive", ["derive", "ds", "--storage", "fp8", "mine-d"]),
+                         ("compare", ["compare", "tr", "--out", "mine-c"]))],
+    # broken drafters given to the doctor: refused naming the tensor or the key, no serving command
+    Case("doctor: config.json with hidden_size edited", ["doctor", "--drafter", "tr-hidden"],
+         ("hidden_size=640", "layers.0.self_attn.q_proj.weight", "export"), kind="doctor"),
+    Case("doctor: draft_vocab_size disagreeing with the weights", ["doctor", "--drafter", "tr-dvocab"],
+         ("draft_vocab_size=32", "lm_head.weight", "d2t"), kind="doctor"),
+    Case("doctor: model.safetensors cut in half", ["doctor", "--drafter", "tr-cut/best"],
+         ("model.safetensors", "cut short"), kind="doctor"),
+    Case("doctor: a drafter config that is a JSON list", ["doctor", "--drafter", "tr-list"],
+         ("config.json", "list", "Fix"), kind="doctor"),
+    # settings refused before anything is written, the corrected command then runs; numbers as users write them
+    Case("train: a negative weight_decay, then the corrected command",
+         ["train", "--data", "ds", "--out", "t-wd", *TINY_TRAIN, "--set", "weight_decay=-0.1"],
+         ("weight_decay=-0.1", ">= 0"), untouched=("t-wd",), kind="train setting",
+         then=("train", "--data", "ds", "--out", "t-wd", *TINY_TRAIN, "--set", "weight_decay=0.01", "--set",
+               "lr=3e-4")),
+    Case("train: a negative max_minutes", ["train", "--data", "ds", "--out", "t-mm", "--set", "max_minutes=-5"],
+         ("max_minutes=-5", ">= 0"), untouched=("t-mm",), kind="train setting"),
+    Case("train: a CUDA device this machine has not", ["train", "--data", "ds", "--out", "t-dev", "--set",
+                                                        "device=cuda:99"],
+         ("device=cuda:99", "CUDA device"), untouched=("t-dev",), kind="train setting"),
+    Case("extract: a CUDA device this machine has not", ["extract", "--data", "good.json", "--out", "o-dev",
+                                                          "--reference-device", "cuda:99", *SMALL],
+         ("--reference-device cuda:99", "CUDA device"), untouched=("o-dev",), kind="option"),
+    Case("trial: --only matching no case", ["trial", "--folder", "trial-none", "--only", "nosuchword"],
+         ("nosuchword", "nothing was run"), untouched=("trial-none",), kind="option"),
+    # damaged inputs: named in one line
+    Case("train: a sample cut short", ["train", "--data", "ds-cutsample", "--out", "t-cut", *TINY_TRAIN],
+         ("skipped sample", "s0000000"), outcome="counted", kind="data set"),
+    Case("verify: the manifest gone", ["verify", "ds-nomanifest"],
+         ("manifest.jsonl: missing", "s0000000.rank0.safetensors"), kind="data set"),
+    Case("extract: the target's model.safetensors cut short", ["extract", "--target", "model-cut", "--data",
+                                                                "good.json", "--out", "o-tcut", *SMALL],
+         ("model-cut", "model.safetensors", "cut short"), untouched=("o-tcut",), kind="target"),
+    Case('extract: "messages": null', ["extract", "--data", "messages-null.jsonl", "--out", "o-mnull", *SMALL],
+         ("messages-null.jsonl", "'messages' is null", "Fix"), untouched=("o-mnull",), kind="data file"),
+    Case("extract: messages given as a list of strings", ["extract", "--data", "messages-strings.jsonl", "--out",
+                                                           "o-mstr", *SMALL],
+         ("messages-strings.jsonl", "list holding strs", "Fix"), untouched=("o-mstr",), kind="data file"),
 ]
 
 
-def prepare(folder: Path, python: str = sys.executable) -> dict:
-    """The trial's inputs in ``folder``; returns how long each real one took to make (seconds)."""
+def prepare(folder: Path, python: str = sys.executable, force: bool = False) -> dict:
+    """The trial's inputs in ``folder``; returns how long each real one took to make (seconds). ``folder`` must be
+    new, empty or an earlier trial's (``folders.claim``; ``force``: any folder, emptied)."""
+    from eagle3kit.folders import claim, mark
+
+    claim(folder, "trial", force)  # raises before anything is deleted: a user's files stay
     folder.mkdir(parents=True, exist_ok=True)
     for p in folder.iterdir():  # a fresh start but for the real inputs a trial made before (they take a minute)
         if p.name not in ("ds", "tr"):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    mark(folder, "trial")
     for name, text in _files().items():
         (folder / name).write_text(text)
     (folder / "binary.jsonl").write_bytes(b'{"id": "a"}\n\xff\xfe\x00')
@@ -243,11 +312,14 @@ def prepare(folder: Path, python: str = sys.executable) -> dict:
 
     model = Path(materialize())
     for name, keep in (("model-notok", lambda f: "token" not in f.name and f.suffix != ".jinja"),
-                       ("model-noweights", lambda f: f.suffix not in (".safetensors", ".bin", ".gguf"))):
+                       ("model-noweights", lambda f: f.suffix not in (".safetensors", ".bin", ".gguf")),
+                       ("model-cut", lambda f: f.suffix != ".safetensors")):
         (folder / name).mkdir(exist_ok=True)
         for f in model.iterdir():
             if f.is_file() and keep(f) and not (folder / name / f.name).exists():
                 os.symlink(f, folder / name / f.name)
+    with open(model / "model.safetensors", "rb") as f:  # an interrupted download: the first MiB of the weights
+        (folder / "model-cut" / "model.safetensors").write_bytes(f.read(1 << 20))
     took = {}
     for what, argv, out in (("data set", ["extract", "--data", "good.json", "--out", "ds", "--heldout-percent", "34",
                                           *SMALL], "ds"),
@@ -259,12 +331,21 @@ def prepare(folder: Path, python: str = sys.executable) -> dict:
                 raise RuntimeError(f"the trial's {what} could not be made: {r.stderr[-2000:]}")
             took[what] = round(time.time() - t0, 1)
     _broken_copies(folder)
+    mark(folder, "trial")
     return took
 
 
 def _broken_copies(folder: Path) -> None:
     ds, tr = folder / "ds", folder / "tr"
-    for name in ("ds-flip", "ds-missing", "ds-badmanifest", "ds-repair", "tr-pickle", "tr-cut", "tr-busy"):
+    for name in ("tr-hidden", "tr-dvocab", "tr-list"):  # exported drafters (tr's best/) edited
+        shutil.rmtree(folder / name, ignore_errors=True)
+        shutil.copytree(tr / "best", folder / name)
+    for name, edit in (("tr-hidden", {"hidden_size": 640}), ("tr-dvocab", {"draft_vocab_size": 32})):
+        cfg = json.loads((folder / name / "config.json").read_text())
+        (folder / name / "config.json").write_text(json.dumps({**cfg, **edit}, indent=1))
+    (folder / "tr-list" / "config.json").write_text(json.dumps([json.loads((tr / "best" / "config.json").read_text())]))
+    for name in ("ds-flip", "ds-missing", "ds-badmanifest", "ds-repair", "tr-pickle", "tr-cut", "tr-busy",
+                 "ds-cutsample", "ds-nomanifest"):
         shutil.rmtree(folder / name, ignore_errors=True)
         shutil.copytree(ds if name.startswith("ds") else tr, folder / name)
     for d in ("ds-flip", "ds-repair"):
@@ -285,6 +366,9 @@ def _broken_copies(folder: Path) -> None:
     (folder / "tr-pickle" / "checkpoints" / "last.pt").write_bytes(pickle.dumps({"model": Planted()}))
     w = folder / "tr-cut" / "best" / "model.safetensors"
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    f = folder / "ds-cutsample" / "samples" / "s0000000.rank0.safetensors"
+    f.write_bytes(f.read_bytes()[:300])  # an interrupted copy: its header, not its tensors
+    (folder / "ds-nomanifest" / "manifest.jsonl").unlink()
 
 
 def _snapshot(path: Path):
@@ -323,33 +407,89 @@ def run_case(case: Case, folder: Path, python: str = sys.executable, timeout: fl
         return _run_case(case, folder, python, timeout)
 
 
-def _run_case(case: Case, folder: Path, python: str, timeout: float) -> dict:
-    before = {p: _snapshot(folder / p) for p in case.untouched}
-    t0 = time.time()
+def in_process(argv: list, folder: Path) -> tuple[int, str]:
+    """``eagle3kit.cli.main(argv)`` run in this process with ``folder`` as its working directory: (exit status,
+    stdout and stderr together). An exception that escapes ``main`` is printed as the traceback a user would see."""
+    import contextlib
+    import io
+    import traceback
+
+    from eagle3kit.cli import main
+
+    buf = io.StringIO()
+    cwd, progress = os.getcwd(), os.environ.get("EAGLE3KIT_PROGRESS")
+    os.environ["EAGLE3KIT_PROGRESS"] = "0"
+    os.chdir(folder)
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            try:
+                rc = main([str(a) for a in argv])
+            except SystemExit as e:  # argparse's refusals
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:  # noqa: BLE001 - what a user would see as a traceback, judged as one
+                traceback.print_exc(file=buf)
+                rc = 1
+    finally:
+        os.chdir(cwd)
+        if progress is None:
+            os.environ.pop("EAGLE3KIT_PROGRESS", None)
+        else:
+            os.environ["EAGLE3KIT_PROGRESS"] = progress
+    return rc, buf.getvalue()
+
+
+def in_subprocess(argv: list, folder: Path, python: str = sys.executable, timeout: float = 300) -> tuple[int, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "EAGLE3KIT_PROGRESS": "0"}
     try:
-        r = subprocess.run([python, "-m", "eagle3kit.cli", *case.argv], cwd=folder, capture_output=True, text=True,
-                           timeout=timeout, env=env)
-        rc, out = r.returncode, r.stdout + r.stderr
+        r = subprocess.run([python, "-m", "eagle3kit.cli", *map(str, argv)], cwd=folder, capture_output=True,
+                           text=True, timeout=timeout, env=env)
+        return r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
-        rc, out = -9, f"timed out after {timeout} s: {e.stdout or ''}{e.stderr or ''}"
+        return -9, f"timed out after {timeout} s: {e.stdout or ''}{e.stderr or ''}"
+
+
+def _run_case(case: Case, folder: Path, python: str, timeout: float) -> dict:
+    for name in case.user_files:  # a user's file in a folder the command is pointed at
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("the user's own")
+    before = {p: _snapshot(folder / p) for p in case.untouched}
+    t0 = time.time()
+    rc, out = in_subprocess(case.argv, folder, python, timeout) if case.process else in_process(case.argv, folder)
     after = {p: _snapshot(folder / p) for p in case.untouched}
+    deleted = len({name for name in case.user_files if not (folder / name).exists()} | {  # files there before, gone
+        str(Path(p) / f) if isinstance(before[p], list) else p for p in case.untouched if before[p] is not None
+        for f in ({x[0] for x in before[p]} - {x[0] for x in after[p] or []} if isinstance(before[p], list)
+                  else ({""} if after[p] is None else set()))})
     problem = judge(case, rc, out, before, after)
+    then_rc, then_out = None, ""
+    if problem is None and case.then:  # the corrected command must run: the refused one left nothing in its way
+        then_rc, then_out = in_process(case.then, folder)
+        if then_rc != 0:
+            problem = f"the corrected command `eagle3kit {' '.join(case.then)}` failed (exit {then_rc}): " + \
+                (then_out.strip().splitlines() or [""])[-1][:200]
     message = [ln for ln in out.strip().splitlines() if ln.startswith("eagle3kit ") or "skipped" in ln or
-               "duplicate" in ln or "checksum" in ln or "problems" in ln] or out.strip().splitlines()[-1:]
+               "duplicate" in ln or "checksum" in ln or "problems" in ln or ln.startswith("[error]")] or \
+        out.strip().splitlines()[-1:]
     return {"case": case.name, "kind": case.kind, "command": "eagle3kit " + " ".join(case.argv), "exit": rc,
             "outcome": case.outcome, "ok": problem is None, "problem": problem, "seconds": round(time.time() - t0, 1),
-            "message": (message[0] if message else "")[:400]}
+            "message": (message[0] if message else "")[:400], "user_files_deleted": deleted,
+            "silent_wrong_result": rc == 0 and case.outcome == "refused",
+            **({"then_exit": then_rc} if case.then else {}), "process": "subprocess" if case.process else "in-process"}
 
 
-def run_trial(folder, cases=None, python: str = sys.executable, log=print) -> dict:
-    """Every case in ``folder`` (made by ``prepare``); returns the metrics and writes ``trial.jsonl`` there."""
+def run_trial(folder, cases=None, python: str = sys.executable, log=print, force: bool = False) -> dict:
+    """Every case in ``folder`` (made by ``prepare``; ``force``: see there); returns the metrics and writes
+    ``trial.jsonl`` there."""
+    from eagle3kit.folders import mark
+
     folder = Path(folder)
-    took = prepare(folder, python)
+    t0 = time.time()
+    took = prepare(folder, python, force)
     rows = []
     with open(folder / "trial.jsonl", "w") as f:
         for case in cases or CASES:
             row = run_case(case, folder, python)
+            mark(folder, "trial", extra=("metrics.json",))  # what the case wrote is the trial's own
             rows.append(row)
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -359,4 +499,8 @@ def run_trial(folder, cases=None, python: str = sys.executable, log=print) -> di
     return {"bad_inputs_tried": len(rows), "bad_inputs_handled": len(rows) - len(bad), "bad_inputs_unhandled": bad,
             "bad_inputs_refused": sum(r["ok"] and r["outcome"] == "refused" for r in rows),
             "bad_inputs_counted": sum(r["ok"] and r["outcome"] == "counted" for r in rows),
-            "bad_input_kinds": sorted({r["kind"] for r in rows}), "bad_input_setup_seconds": took}
+            "user_files_deleted": sum(r["user_files_deleted"] for r in rows),
+            "silent_wrong_results": sum(r["silent_wrong_result"] for r in rows),
+            "bad_inputs_in_subprocess": sum(r["process"] == "subprocess" for r in rows),
+            "bad_input_kinds": sorted({r["kind"] for r in rows}), "bad_input_setup_seconds": took,
+            "bad_input_trial_seconds": round(time.time() - t0, 1)}

@@ -32,10 +32,17 @@ class LoadReport:
 
 
 def normalize(record: dict, index: int, report: LoadReport) -> dict | None:
-    if "messages" in record:
-        turns = [(m.get("role"), m.get("content")) for m in record["messages"]]
-    elif "conversations" in record:
-        turns = [(m.get("from"), m.get("value")) for m in record["conversations"]]
+    if "messages" in record or "conversations" in record:
+        key, role_key, text_key = ("messages", "role", "content") if "messages" in record else \
+            ("conversations", "from", "value")
+        turns = record[key]
+        if not isinstance(turns, list) or not all(isinstance(m, dict) for m in turns):
+            got = ("null" if turns is None else type(turns).__name__) if not isinstance(turns, list) else \
+                f"a list holding {type(next(m for m in turns if not isinstance(m, dict))).__name__}s"
+            raise DataError(f"{report.source}: record {index} ({record.get('id', 'no id')}): {key!r} is {got}, not "
+                            f"a list of turns. Fix: write it as [{{\"{role_key}\": \"user\", \"{text_key}\": "
+                            f"\"...\"}}, ...]")
+        turns = [(m.get(role_key), m.get(text_key)) for m in turns]
     else:
         raise DataError(f"{report.source}: record {index} has neither 'messages' (OpenAI) nor 'conversations' "
                         f"(ShareGPT); keys: {sorted(record)}")

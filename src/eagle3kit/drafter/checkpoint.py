@@ -19,10 +19,15 @@ class CheckpointError(ValueError):
 
 
 def atomic_save(obj, path: Path) -> None:
-    """``torch.save`` to ``path`` through a temporary file: a crash mid-write leaves the previous file."""
+    """``torch.save`` to ``path`` through a temporary file: a crash mid-write leaves the previous file, and a failed
+    write (a full disk) removes the temporary one."""
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_checkpoint(path: Path) -> dict:

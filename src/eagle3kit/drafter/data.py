@@ -79,8 +79,11 @@ class CaptureSource:
         from eagle3kit.data.render import spans_to_mask
 
         e = self.entries[i]
-        with safe_open(str(self.root / "samples" / e["file"]), "pt") as f:
-            ids = f.get_tensor("token_ids")
+        try:
+            with safe_open(str(self.root / "samples" / e["file"]), "pt") as f:
+                ids = f.get_tensor("token_ids")
+        except Exception as ex:  # noqa: BLE001 - a cut or unreadable file: the caller counts and skips it
+            raise SampleError(f"{e['file']}: unreadable ({type(ex).__name__}: {ex})") from None
         return ids, torch.tensor(spans_to_mask(e["loss_spans"], e["n_tokens"]), dtype=torch.int64)
 
 

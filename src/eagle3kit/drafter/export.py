@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from eagle3kit.layers import from_input_of_layer, sglang_convention, token_error
 from eagle3kit.store import publish
 
 FORMAT = "eagle3kit-drafter/1"
+KIND = "drafter export"  # the mark (``folders``) of every drafter folder written here
 _LAYER0 = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
            "post_attention_layernorm.weight", "hidden_norm.weight")
@@ -141,7 +143,6 @@ def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict |
     saw the target's own logits (a pre-norm slot normed, or a recorded post-norm slot taken as it is; None: as
     ``final_pre_norm``). The doctor flags False."""
     from eagle3kit.drafter.model import check_servable
-    from eagle3kit.target import TargetInfo
 
     if model.config.transformer_layer_config.num_hidden_layers != 1:
         raise ExportError("SGLang 0.5.14 runs layers > 0 of a draft with other norms than speculators trains "
@@ -153,6 +154,19 @@ def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict |
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        _write_sglang(tmp, model, vocab, target_path, aux_layer_ids, provenance, aux_ids_override, final_pre_norm,
+                      teacher_exact)
+    except BaseException:  # a full disk: no temp folder left behind, ``dest`` as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, dest)
+
+
+def _write_sglang(tmp, model, vocab, target_path, aux_layer_ids, provenance, aux_ids_override, final_pre_norm,
+                  teacher_exact) -> None:
+    from eagle3kit.target import TargetInfo
+
     cfg = sglang_config(model, target_path, aux_layer_ids)
     if aux_ids_override is not None:
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [int(k) for k in aux_ids_override]
@@ -165,7 +179,6 @@ def to_sglang(model, vocab, dest, target_path, aux_layer_ids, provenance: dict |
         "layer_convention": "input_of_layer", "draft_vocab_size": int(vocab.size), **(provenance or {}),
         "final_pre_norm": bool(final_pre_norm),
         "teacher_exact": bool(final_pre_norm if teacher_exact is None else teacher_exact)}, indent=1, default=str))
-    return publish(tmp, dest)
 
 
 def to_speculators(model, dest, provenance: dict | None = None) -> Path:
@@ -178,9 +191,27 @@ def to_speculators(model, dest, provenance: dict | None = None) -> Path:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    model.save_pretrained(str(tmp))
-    (tmp / "eagle3kit.json").write_text(json.dumps({"format": FORMAT, **(provenance or {})}, indent=1, default=str))
-    return publish(tmp, dest)
+    try:
+        model.save_pretrained(str(tmp))
+        (tmp / "eagle3kit.json").write_text(json.dumps({"format": FORMAT, **(provenance or {})}, indent=1,
+                                                       default=str))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, dest)
+
+
+def _publish(tmp: Path, dest: Path) -> Path:
+    """``tmp`` marked as a drafter export (``folders``: a later export may replace it) and renamed to ``dest``; a
+    failure (a full disk) removes ``tmp`` and leaves ``dest`` as it was."""
+    from eagle3kit.folders import mark
+
+    try:
+        mark(tmp, KIND)
+        return publish(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def load_sglang_export(path, target_path=None, attn_implementation: str = "sdpa"):
@@ -218,8 +249,15 @@ def load_sglang_export(path, target_path=None, attn_implementation: str = "sdpa"
     return model, cfg, meta
 
 
-def export_drafter(src, dest, fmt: str, checkpoint: str = "best", sglang_layer_ids=None) -> dict:
-    """``eagle3kit export sglang|speculators <train out_dir or export> DEST``."""
+def export_drafter(src, dest, fmt: str, checkpoint: str = "best", sglang_layer_ids=None, force: bool = False) -> dict:
+    """``eagle3kit export sglang|speculators <train out_dir or export> DEST``. ``DEST`` must be new, empty, an earlier
+    drafter export, or ``force`` (``folders.claim``): what the user put there is never replaced."""
+    from eagle3kit.folders import FolderError, claim
+
+    try:
+        claim(dest, KIND, force)
+    except FolderError as e:
+        raise ExportError(str(e)) from None
     src = Path(src)
     export_dir = src / checkpoint if (src / "train.json").exists() else src
     if not (export_dir / "config.json").exists():

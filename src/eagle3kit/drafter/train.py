@@ -121,6 +121,8 @@ class TrainConfig:
         def need(ok, what):
             if not ok:
                 raise TrainError(f"train setting {what}")
+        for name in ("lr", "weight_decay", "max_minutes", "step_decay", "grad_clip", "warmup_ratio", "min_lr_ratio"):
+            need(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)}: must be a finite number")
         need(self.loss in LOSSES, f"loss={self.loss!r}: choose one of {LOSSES}")
         need(self.drafter in ("llama", "mla"), f"drafter={self.drafter!r}: choose 'llama' or 'mla'")
         need(self.drafter == "mla" or not any(v is not None for v in self.mla_overrides().values()),
@@ -149,6 +151,15 @@ class TrainConfig:
         need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}: give the gradient norm to clip to, or 0 for none")
         need(self.save_every >= 1 and self.eval_every >= 0, "save_every >= 1 (optimizer steps between resume points), "
              "eval_every >= 0")
+        for name in ("weight_decay", "max_minutes", "eval_steps", "workers", "seed"):  # counts and budgets
+            need(getattr(self, name) >= 0, f"{name}={getattr(self, name)}: must be >= 0"
+                 + (" (0: no budget)" if name == "max_minutes" else ""))
+        from eagle3kit.target import check_device
+
+        try:
+            check_device(self.device, "device", sep="=")
+        except ValueError as e:
+            raise TrainError(f"train setting {e}") from None
         if self.live is not None:
             from eagle3kit.live.config import LiveConfig, LiveError
 
@@ -181,7 +192,13 @@ class TrainConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise TrainError(f"unknown train settings {unknown}; known: {sorted(known)}")
+        d = dict(d)
         for f in fields(cls):  # a value of the wrong type is a user's mistake, named before any comparison trips on it
+            if f.name in d and isinstance(d[f.name], str) and "float" in str(f.type):
+                try:  # YAML 1.1 reads 3e-4 (no dot) as a string; a user writes floats so, and the defaults print so
+                    d[f.name] = float(d[f.name])
+                except ValueError:
+                    pass
             if f.name in d and not _fits(d[f.name], f.type):
                 raise TrainError(f"train setting {f.name}={d[f.name]!r}: expected {f.type}")
         return cls(**d).validate()
@@ -299,7 +316,10 @@ def _check_final_slot(cfg: TrainConfig, source, head) -> bool:
 def count_frequencies(source, vocab_size: int) -> torch.Tensor:
     freq = torch.zeros(vocab_size, dtype=torch.int64)
     for i in range(len(source)):
-        ids, mask = source.tokens(i)
+        try:
+            ids, mask = source.tokens(i)
+        except D.SampleError:  # unreadable: the loader skips and counts it when training reaches it
+            continue
         V.count_tokens(ids, mask, vocab_size, freq)
     return freq
 
@@ -367,7 +387,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
                                           head)
     out = Path(cfg.out_dir)
     vocab_file = out / "vocab.pt"
-    if vocab_file.exists():
+    if vocab_file.exists() and (out / "train.json").exists():  # a resume's (a refused run's is made again)
         st = torch.load(vocab_file, weights_only=True)
         vocab, freq = V.DraftVocab.from_state(st), st["freq"]
     else:
@@ -476,6 +496,24 @@ def _compile_layers(cfg: TrainConfig, model, device, aux_width: int) -> bool:
         return False
     finally:
         model.zero_grad(set_to_none=True)
+
+
+def disk_full(err: BaseException, folder: Path) -> bool:
+    """Whether ``err`` (torch's, safetensors' or the OS's: each says it its own way, torch's "unexpected pos 64 vs
+    0" among them) came from a full disk under ``folder``: ENOSPC in the error or its causes, or under 1 MiB left."""
+    import errno
+    import shutil
+
+    e = err
+    while e is not None:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    try:
+        probe = next(p for p in [folder, *folder.parents] if p.exists())
+        return shutil.disk_usage(probe).free < (1 << 20)
+    except (OSError, StopIteration):
+        return False
 
 
 def _to(batch: dict, device) -> dict:
@@ -614,7 +652,18 @@ def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
                 torch.cuda.set_device(_device(cfg, dist))
             tdist.init_process_group("nccl" if nccl else "gloo")
     with _exclusive_out_dir(out, dist), contextlib.ExitStack() as closing:
-        return _train(cfg, dist, out, t_call, spent, closing)
+        try:
+            return _train(cfg, dist, out, t_call, spent, closing)
+        except TrainError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a full disk, whichever library's write found it
+            if not disk_full(e, out):
+                raise
+            ckpt = out / "checkpoints" / "last.pt"
+            raise TrainError(f"out_dir {out}: the disk is full ({type(e).__name__} while writing). "
+                             + (f"The last checkpoint ({ckpt}) is kept; " if ckpt.exists() else "No checkpoint was "
+                                "written yet; ")
+                             + "free space there and rerun the same command: it resumes") from None
 
 
 @contextlib.contextmanager
@@ -657,9 +706,6 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
     random.seed(cfg.seed)
     run = setup(cfg, dist, closing)
     live = getattr(run.train_src, "stream", None)  # the live stream's producer (closed by ``closing``)
-    if dist.rank == 0 and not (out / "train.json").exists():  # a resume found the same settings there
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train.json").write_text(json.dumps(_settings(cfg), indent=1, sort_keys=True))
     lengths = [run.train_src.length(i) for i in range(len(run.train_src))]
     per_step = dist.world * cfg.grad_accum * cfg.rows_per_batch  # packed rows per optimizer step
     steps_per_epoch = len(D.plan(lengths, cfg.tokens_per_batch, cfg.seed, 0)) // per_step
@@ -696,6 +742,10 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
         print(f"[train] resumed from {ckpt} at step {state['step']} of {state['total_steps']}", flush=True)
     total_steps = state["total_steps"]
     eval_steps = cfg.eval_depth
+    if dist.rank == 0 and not (out / "train.json").exists():  # a resume found the same settings there; written once
+        # every check has passed, so a refused run never locks its settings against the corrected command
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train.json").write_text(json.dumps(_settings(cfg), indent=1, sort_keys=True))
     bar = None
     if cfg.progress and dist.rank == 0:
         from eagle3kit.metrics import progress_bar
@@ -729,9 +779,10 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                **(chosen_by.metrics("val_") if chosen_by is not None else {})}
         log("evals.jsonl", row)
         # the choice is the validation samples' (never the held-out split's, which only reports); none to judge by
-        # (val_percent 0, no rows): best/ is the latest drafter, never the untrained one
+        # (val_percent 0, no rows): best/ is the latest drafter; never the untrained one (step 0 is measured, not
+        # exported: a run stopped before its first trained evaluation has no best/ at all)
         tau = row[f"val_tau_{cfg.serving_steps}"] if chosen_by is not None and chosen_by.valid[0] else None
-        if (tau is None or tau > state["best_tau"]) and dist.rank == 0:
+        if state["step"] > 0 and (tau is None or tau > state["best_tau"]) and dist.rank == 0:
             state["best_tau"] = state["best_tau"] if tau is None else tau
             state["best"] = row
             export(run, out / "best", extra={"step": state["step"], "heldout": m})
