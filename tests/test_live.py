@@ -176,6 +176,7 @@ def file_run(tmp_path_factory, target_path):
     run_extraction(target=str(target_path), out_dir=root / "data", engine="transformers",
                    max_samples=LIVE["max_samples"], max_tokens=LIVE["max_tokens"], heldout_percent=25, progress=False)
     summary = train(TrainConfig.from_dict({**RECIPE, "data": str(root / "data"), "out_dir": str(root / "file")}))
+    assert summary["heldout_samples"] > 0 and summary["val_samples"] > 0  # held out and validation, apart
     return root, summary
 
 

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from eagle3kit.cli import main
 from eagle3kit.trial import CASES, Case, judge, run_case
 
 
@@ -19,22 +20,23 @@ def test_every_bad_input_is_refused_or_counted(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "trial" / "trial.jsonl").read_text().splitlines()]
     assert len(rows) == len(CASES) and all(r["ok"] for r in rows)
     # the trial also proved the check it exists for: run on a good command, the judge fails it
-    good = run_case(Case("a good command", ["verify", "ds"], ("ds",)), tmp_path / "trial")
+    good = run_case(Case("a good command", ["verify", "ds"], ("ds",)), tmp_path / "trial", main=main)
     assert not good["ok"] and good["problem"].startswith("exit 0")
     # and the busy folder's case holds only because the folder is held: free, that training runs (exit 0)
     busy = next(c for c in CASES if c.busy)
     free = run_case(Case(busy.name, busy.argv, busy.words, untouched=busy.untouched, kind=busy.kind),
-                    tmp_path / "trial")
+                    tmp_path / "trial", main=main)
     assert not free["ok"] and free["problem"].startswith("exit 0")
     # the counters see what they count: the user's file deleted by an export the user forced, taken (exit 0)
     forced = run_case(Case("forced", ["export", "sglang", "tr", "mine-forced", "--force"], ("mine-forced",),
-                           untouched=("mine-forced",), user_files=("mine-forced/thesis.txt",)), tmp_path / "trial")
+                           untouched=("mine-forced",), user_files=("mine-forced/thesis.txt",)), tmp_path / "trial",
+                      main=main)
     assert forced["user_files_deleted"] == 1 and forced["silent_wrong_result"] and not forced["ok"]
     assert m["user_files_deleted"] == 0 and m["silent_wrong_results"] == 0
     # and the corrected command of a case must run: one that fails again is judged a failure
     blocked = run_case(Case("blocked", ["train", "--data", "ds", "--out", "t-blocked", "--set", "lr=-1"], ("lr",),
                             then=("train", "--data", "ds", "--out", "t-blocked", "--set", "lr=-2")),
-                       tmp_path / "trial")
+                       tmp_path / "trial", main=main)
     assert not blocked["ok"] and blocked["problem"].startswith("the corrected command"), blocked
 
 

@@ -182,7 +182,7 @@ def _trial(a):
     if not cases:
         raise ValueError(f"--only {' '.join(a.only)}: no case's name holds these words, so nothing was run. Fix: "
                          f"words from the case names (`eagle3kit trial` prints them), e.g. --only verify train")
-    m = run_trial(a.folder, cases, force=a.force)
+    m = run_trial(a.folder, cases, force=a.force, main=main)
     from eagle3kit.metrics import update_json
 
     for path in [Path(a.folder) / "metrics.json"] + ([Path(a.metrics)] if a.metrics else []):

@@ -398,23 +398,22 @@ def judge(case: Case, rc: int, out: str, before: dict, after: dict) -> str | Non
     return None
 
 
-def run_case(case: Case, folder: Path, python: str = sys.executable, timeout: float = 300) -> dict:
+def run_case(case: Case, folder: Path, python: str = sys.executable, timeout: float = 300, *, main) -> dict:
     import contextlib
 
     from eagle3kit.pipeline import exclusive
 
     with exclusive(folder / case.busy, "training") if case.busy else contextlib.nullcontext():
-        return _run_case(case, folder, python, timeout)
+        return _run_case(case, folder, python, timeout, main)
 
 
-def in_process(argv: list, folder: Path) -> tuple[int, str]:
-    """``eagle3kit.cli.main(argv)`` run in this process with ``folder`` as its working directory: (exit status,
-    stdout and stderr together). An exception that escapes ``main`` is printed as the traceback a user would see."""
+def in_process(argv: list, folder: Path, main) -> tuple[int, str]:
+    """``main(argv)`` (``eagle3kit.cli.main``, handed in by the command line that runs the trial: the trial is one of
+    its commands) run in this process with ``folder`` as its working directory: (exit status, stdout and stderr
+    together). An exception that escapes ``main`` is printed as the traceback a user would see."""
     import contextlib
     import io
     import traceback
-
-    from eagle3kit.cli import main
 
     buf = io.StringIO()
     cwd, progress = os.getcwd(), os.environ.get("EAGLE3KIT_PROGRESS")
@@ -448,13 +447,13 @@ def in_subprocess(argv: list, folder: Path, python: str = sys.executable, timeou
         return -9, f"timed out after {timeout} s: {e.stdout or ''}{e.stderr or ''}"
 
 
-def _run_case(case: Case, folder: Path, python: str, timeout: float) -> dict:
+def _run_case(case: Case, folder: Path, python: str, timeout: float, main) -> dict:
     for name in case.user_files:  # a user's file in a folder the command is pointed at
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text("the user's own")
     before = {p: _snapshot(folder / p) for p in case.untouched}
     t0 = time.time()
-    rc, out = in_subprocess(case.argv, folder, python, timeout) if case.process else in_process(case.argv, folder)
+    rc, out = in_subprocess(case.argv, folder, python, timeout) if case.process else in_process(case.argv, folder, main)
     after = {p: _snapshot(folder / p) for p in case.untouched}
     deleted = len({name for name in case.user_files if not (folder / name).exists()} | {  # files there before, gone
         str(Path(p) / f) if isinstance(before[p], list) else p for p in case.untouched if before[p] is not None
@@ -463,7 +462,7 @@ def _run_case(case: Case, folder: Path, python: str, timeout: float) -> dict:
     problem = judge(case, rc, out, before, after)
     then_rc, then_out = None, ""
     if problem is None and case.then:  # the corrected command must run: the refused one left nothing in its way
-        then_rc, then_out = in_process(case.then, folder)
+        then_rc, then_out = in_process(case.then, folder, main)
         if then_rc != 0:
             problem = f"the corrected command `eagle3kit {' '.join(case.then)}` failed (exit {then_rc}): " + \
                 (then_out.strip().splitlines() or [""])[-1][:200]
@@ -477,7 +476,7 @@ def _run_case(case: Case, folder: Path, python: str, timeout: float) -> dict:
             **({"then_exit": then_rc} if case.then else {}), "process": "subprocess" if case.process else "in-process"}
 
 
-def run_trial(folder, cases=None, python: str = sys.executable, log=print, force: bool = False) -> dict:
+def run_trial(folder, cases=None, python: str = sys.executable, log=print, force: bool = False, *, main) -> dict:
     """Every case in ``folder`` (made by ``prepare``; ``force``: see there); returns the metrics and writes
     ``trial.jsonl`` there."""
     from eagle3kit.folders import mark
@@ -488,7 +487,7 @@ def run_trial(folder, cases=None, python: str = sys.executable, log=print, force
     rows = []
     with open(folder / "trial.jsonl", "w") as f:
         for case in cases or CASES:
-            row = run_case(case, folder, python)
+            row = run_case(case, folder, python, main=main)
             mark(folder, "trial", extra=("metrics.json",))  # what the case wrote is the trial's own
             rows.append(row)
             f.write(json.dumps(row) + "\n")

@@ -117,7 +117,7 @@ def config_from_target(target_path, aux_layer_ids, draft_vocab_size: int, fc_nor
     """The draft's MLA geometry: the target's own where the target is MLA (DeepSeek-V3, Kimi-K2.x: ``kv_lora_rank``
     in its language model's config), else every ``MLA_DIMS`` key from ``overrides`` (a clear error names the
     missing ones). ``overrides`` (``mla_<key>`` train settings without the prefix) win over the target's values."""
-    from eagle3kit.target import language_model_config
+    from eagle3kit.family import language_model_config
 
     tc = language_model_config(Path(target_path)).to_dict()
     over = {k: v for k, v in (overrides or {}).items() if v is not None}

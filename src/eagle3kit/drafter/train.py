@@ -364,12 +364,13 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
         train_src = D.open_source(cfg.data, "train")
         if len(train_src) == 0:
             raise TrainError(f"{cfg.data}: no training samples (split 'train' is empty). Fix: extract more samples")
+        # the data set's own held-out split, asked of the source itself (the carved train split below is a Subset)
+        heldout_src = _heldout_source(cfg.heldout) if cfg.heldout else \
+            (D.CaptureSource(cfg.data, "heldout") if isinstance(train_src, D.CaptureSource) else None)
         try:
             train_src, val_src = D.carve_validation(train_src, cfg.val_percent)
         except ValueError as e:
             raise TrainError(f"{cfg.data}: {e}") from None
-        heldout_src = _heldout_source(cfg.heldout) if cfg.heldout else \
-            (D.CaptureSource(cfg.data, "heldout") if isinstance(train_src, D.CaptureSource) else None)
     if heldout_src is not None and len(heldout_src) == 0:
         heldout_src = None
     info = train_src.info()
