@@ -82,6 +82,10 @@ def spike_dumps():
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # parallel workers (make test: one per core): one thread each, inherited by the CLI subprocesses; torch's default
+    # of a thread per core would put two workers' threads on each core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

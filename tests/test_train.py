@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,10 +19,17 @@ TINY = {"draft_vocab_size": 512, "ttt_steps": 2, "serving_steps": 2, "tokens_per
         "progress": False, "lr": 1e-3}
 
 
+def _free_port() -> int:
+    """A port no one listens on now: parallel test workers each run their torchrun on its own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _cli(data, out, extra=(), torchrun=0):
     sets = [a for k, v in {**TINY, **dict(extra)}.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port",
-            "29533", "-m", "eagle3kit.cli"] if torchrun else [sys.executable, "-m", "eagle3kit.cli"]
+            str(_free_port()), "-m", "eagle3kit.cli"] if torchrun else [sys.executable, "-m", "eagle3kit.cli"]
     return [*head, "train", "--data", str(data), "--out", str(out), *sets]
 
 
@@ -31,6 +39,29 @@ def _env():
 
 def _weights(out):
     return torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def _stepped_clock(monkeypatch, step_seconds):
+    """train()'s clock made a simulated one: ``step_seconds(step)`` for each optimizer step (a forward with its loss)
+    and a millisecond for each reading (setup, evaluations, saves take time too), so a time budget runs out after a
+    few real steps whatever the machine's load, at the pace the test sets. Returns the clock."""
+    import eagle3kit.drafter.train as T
+
+    now, steps, real_forward = [0.0], [0], T.forward_batch
+
+    def forward(run, module, batch, ttt, with_loss=True, walk=None):
+        if with_loss:
+            steps[0] += 1
+            now[0] += step_seconds(steps[0])
+        return real_forward(run, module, batch, ttt, with_loss, walk)
+
+    def clock():
+        now[0] += 1e-3
+        return now[0]
+
+    monkeypatch.setattr(T, "forward_batch", forward)
+    monkeypatch.setattr(T, "_now", clock)
+    return clock
 
 
 def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
@@ -164,8 +195,8 @@ def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
     wrapper = tmp_path / "fast_clock_rank1.py"
     wrapper.write_text("import os, sys, time\n"
                        "import eagle3kit.drafter.train as T\n"
-                       "real, switched, fit = time.time, [], T._fitted_steps\n"
-                       "time.time = lambda: real() if not switched else switched[0] + 3.0 * (real() - switched[0])\n"
+                       "real, switched, fit = T._now, [], T._fitted_steps\n"
+                       "T._now = lambda: real() if not switched else switched[0] + 3.0 * (real() - switched[0])\n"
                        "def fitted(*a):\n"
                        "    if os.environ.get('RANK') == '1' and not switched:\n"
                        "        switched.append(real())\n"
@@ -288,16 +319,17 @@ def test_a_recorded_post_norm_slot_gives_the_teacher_the_targets_own_logits(smal
     assert meta["final_pre_norm"] is False and meta["teacher_exact"] is True and diagnose(tmp_path / "t" / "best").ok
 
 
-def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_path):
+def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_path, monkeypatch):
     """A plan far longer than the budget: fitted to the measured pace, it ends at the minimum lr, in time, with an
     evaluation of the last step (without fit_schedule it would stop mid-plan at a high lr). The budget leaves room
     for the second look at the pace (a plan of 40 steps or more after the fit): with 0.25 min the plan had 36 and one
     run, slowed by half after the fit, stopped 6 steps short."""
-    budget = 0.4  # minutes
-    t0 = time.time()
+    clock = _stepped_clock(monkeypatch, lambda step: 1.0)
+    budget = 0.8  # minutes: 45 steps of 1 s
+    t0 = clock()
     s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=budget, eval_every=100_000,
                           fit_schedule=True, **TINY))
-    took = time.time() - t0
+    took = clock() - t0
     assert 20 < s["train_steps"] == s["train_total_steps_fitted"] < s["train_total_steps_planned"], s
     assert not s["train_stopped_early"] and 0 <= s["train_data_wait_fraction"] < 1
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
@@ -317,22 +349,16 @@ def test_fit_schedule_times_its_pace_after_the_first_step(small_dataset, tmp_pat
     0.2 s a step higher and the plan cut short)."""
     import eagle3kit.drafter.train as T
 
-    real_forward, real_fit, seen = T.forward_batch, T._fitted_steps, {}
-
-    def slow_first(run, module, batch, steps, with_loss=True, walk=None):
-        if with_loss and not seen.get("slowed"):
-            seen["slowed"] = True
-            time.sleep(4.0)
-        return real_forward(run, module, batch, steps, with_loss, walk)
+    real_fit, seen = T._fitted_steps, {}
+    _stepped_clock(monkeypatch, lambda step: 4.5 if step == 1 else 0.5)  # the first step 4 s slower than the rest
 
     def spy(cfg, state, seconds_so_far, pace, *a):
         seen.setdefault("pace", pace)  # the first fit's (later checks use the pace since it)
         return real_fit(cfg, state, seconds_so_far, pace, *a)
 
-    monkeypatch.setattr(T, "forward_batch", slow_first)
     monkeypatch.setattr(T, "_fitted_steps", spy)
-    train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=0.5,
-                      eval_every=100_000, fit_schedule=True, **TINY))
+    train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=0.3,
+                      eval_every=100_000, fit_schedule=True, **TINY))  # 0.3 min: about 30 steps of 0.5 s
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
     after_first = sum(r["seconds"] for r in rows[1:21]) / 20
     assert rows[0]["seconds"] >= 4.0 and "pace" in seen
@@ -349,23 +375,18 @@ def test_fit_schedule_fits_again_when_the_pace_slows(small_dataset, tmp_path, mo
     the budget."""
     import eagle3kit.drafter.train as T
 
-    real_forward, real_fit, fits = T.forward_batch, T._fitted_steps, []
-
-    def slower_later(run, module, batch, steps, with_loss=True, walk=None):
-        if with_loss and len(fits) >= 1:  # after the first fit, every step 0.4 s slower
-            time.sleep(0.4)
-        return real_forward(run, module, batch, steps, with_loss, walk)
+    real_fit, fits = T._fitted_steps, []
+    _stepped_clock(monkeypatch, lambda step: 0.5 if fits else 0.1)  # after the first fit, every step 0.4 s slower
 
     def spy(cfg, state, *a):
         fits.append((state["step"], real_fit(cfg, state, *a)))
         return fits[-1][1]
 
-    monkeypatch.setattr(T, "forward_batch", slower_later)
     monkeypatch.setattr(T, "_fitted_steps", spy)
     # the first fit after 5 steps, not 20: the second look needs 2 * FIT_AFTER steps left in the plan, which a
     # loaded 2-core machine did not leave at 20 (2026-12-02: one fit, 59 steps planned at step 21, stopped at 52)
     monkeypatch.setattr(T, "FIT_AFTER", 5)
-    budget = 0.5
+    budget = 0.3  # the first fit plans about 170 steps at 0.1 s; the second look, 0.5 s a step, cuts it to about 40
     s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=budget,
                           eval_every=100_000, fit_schedule=True, **TINY))
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
