@@ -98,3 +98,18 @@ def small_dataset(target_path, tmp_path_factory):
     run_extraction(target=str(target_path), out_dir=out, engine="transformers", max_samples=24, max_tokens=192,
                    heldout_percent=25, final_normed=True, progress=False)
     return out
+
+
+# the drafter settings of the CPU training tests: one layer, a 512-token draft vocabulary, 2 TTT steps, 256-token batches
+TINY_DRAFTER = {"draft_vocab_size": 512, "ttt_steps": 2, "serving_steps": 2, "tokens_per_batch": 256, "workers": 0,
+                "progress": False, "lr": 1e-3}
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(small_dataset, tmp_path_factory):
+    """One drafter trained on ``small_dataset`` (TINY_DRAFTER, 4 epochs), for the tests that only read a trained run:
+    ``(run folder, summary)``. Copy the folder before training into it again."""
+    from eagle3kit.drafter.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("drafter") / "run"
+    return out, train(TrainConfig(data=str(small_dataset), out_dir=str(out), epochs=4, **TINY_DRAFTER))

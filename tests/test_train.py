@@ -14,9 +14,7 @@ import torch
 
 from eagle3kit.drafter.train import TrainConfig, TrainError, train
 from tests.conftest import ROOT
-
-TINY = {"draft_vocab_size": 512, "ttt_steps": 2, "serving_steps": 2, "tokens_per_batch": 256, "workers": 0,
-        "progress": False, "lr": 1e-3}
+from tests.conftest import TINY_DRAFTER as TINY
 
 
 def _free_port() -> int:
@@ -223,12 +221,11 @@ def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
     assert "fit_schedule:" in r.stdout
 
 
-def test_training_learns_and_exports_what_was_trained(small_dataset, tmp_path):
+def test_training_learns_and_exports_what_was_trained(small_dataset, trained_drafter, tmp_path):
     from eagle3kit.doctor import diagnose
     from eagle3kit.drafter.export import load_sglang_export, loadback_rel_err
 
-    out = tmp_path / "run"
-    s = train(TrainConfig(data=str(small_dataset), out_dir=str(out), epochs=4, **TINY))
+    out, s = trained_drafter  # 4 epochs of TINY
     assert s["heldout_loss_pos0"] < s["initial_heldout_loss_pos0"]
     assert s["train_acc_pos0"] > s["baseline_acc_pos0"]
     assert loadback_rel_err(out, small_dataset) < 0.05  # bf16 export of the fp32 weights
@@ -403,11 +400,11 @@ def test_fit_schedule_fits_again_when_the_pace_slows(small_dataset, tmp_path, mo
     assert spent + (first_plan - first_at) * slow > 60 * budget  # the first plan would have been cut by the budget
 
 
-def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
+def test_resume_with_other_settings_is_refused(small_dataset, trained_drafter, tmp_path):
     out = tmp_path / "r"
-    train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=1, **TINY))
-    with pytest.raises(TrainError, match="other settings"):
-        train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=1, **{**TINY, "lr": 5e-4}))
+    shutil.copytree(trained_drafter[0], out)  # a run of 4 epochs
+    with pytest.raises(TrainError, match=r"other settings \{'lr': \(0.001, 0.0005\)\}"):
+        train(TrainConfig(data=str(small_dataset), out_dir=str(out), epochs=4, **{**TINY, "lr": 5e-4}))
 
 
 @pytest.mark.parametrize("bad", [{"loss": "mse"}, {"lm_head": "tied"}, {"ttt_steps": 2, "serving_steps": 3},
@@ -483,7 +480,7 @@ def test_fp8_copy_trains_on_the_same_states_within_fp8(small_dataset, tmp_path):
     assert 0 < err < 0.05 and torch.equal(a.load(0)["token_ids"], b.load(0)["token_ids"])
 
 
-def test_a_post_norm_drafter_stays_flagged_after_a_re_export(small_dataset, tmp_path):
+def test_a_post_norm_drafter_stays_flagged_after_a_re_export(small_dataset, trained_drafter, tmp_path):
     """The export records what the training data's final slot was; `eagle3kit export sglang` of that export keeps
     it, so the doctor still flags a drafter trained on post-norm states (it was rewritten as pre-norm before)."""
     from eagle3kit.doctor import diagnose
@@ -502,8 +499,7 @@ def test_a_post_norm_drafter_stays_flagged_after_a_re_export(small_dataset, tmp_
     # 05 runs the doctor on every control before serving: the post-norm one is flagged, one trained right passes
     from eagle3kit.acceptance.experiment import control_verdicts
 
-    pre = tmp_path / "pre"
-    train(TrainConfig(data=str(small_dataset), out_dir=str(pre), max_steps=1, **TINY))
+    pre = trained_drafter[0]
     v = control_verdicts({"postnorm": again, "engine": pre / "best", "missing": tmp_path / "nothing"})
     assert v["postnorm_doctor_ok"] is False and "before the norm" in v["postnorm_doctor_findings"]
     assert v["engine_doctor_ok"] is True and v["missing_doctor_ok"] is False
@@ -617,7 +613,8 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
         torch._dynamo.reset()
 
 
-def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, tmp_path, target_path, monkeypatch):
+def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, trained_drafter, tmp_path, target_path,
+                                                                monkeypatch):
     """offline.first_replies: only the chosen conversations, each with only its first assistant reply counted (the
     reply SGLang decodes from the online prompt of that conversation): the evaluated rows are exactly the first
     replies' adjacent token pairs, fewer than all replies' of the same samples (the restriction can fail). The online
@@ -628,8 +625,7 @@ def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, 
     from eagle3kit.acceptance import offline, online
     from eagle3kit.store import read_manifest
 
-    out = tmp_path / "d"
-    train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))
+    out = trained_drafter[0]
     entries = sorted(read_manifest(small_dataset).values(), key=lambda e: (-len(e["loss_spans"]), e["index"]))
     chosen = entries[:3]
     assert len(chosen[0]["loss_spans"]) >= 2, "the data set needs a sample of several replies for this test"
