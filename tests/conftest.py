@@ -82,6 +82,10 @@ def spike_dumps():
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # parallel workers (make test: one per core): one thread each, inherited by the CLI subprocesses; torch's default
+    # of a thread per core would put two workers' threads on each core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -109,3 +113,18 @@ def trial_inputs(tmp_path_factory):
                  *SMALL]) == 0
     assert main(["train", "--data", str(root / "ds"), "--out", str(root / "tr"), *TINY_TRAIN]) == 0
     return root
+
+
+# the drafter settings of the CPU training tests: one layer, a 512-token draft vocabulary, 2 TTT steps, 256-token batches
+TINY_DRAFTER = {"draft_vocab_size": 512, "ttt_steps": 2, "serving_steps": 2, "tokens_per_batch": 256, "workers": 0,
+                "progress": False, "lr": 1e-3}
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(small_dataset, tmp_path_factory):
+    """One drafter trained on ``small_dataset`` (TINY_DRAFTER, 4 epochs), for the tests that only read a trained run:
+    ``(run folder, summary)``. Copy the folder before training into it again."""
+    from eagle3kit.drafter.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("drafter") / "run"
+    return out, train(TrainConfig(data=str(small_dataset), out_dir=str(out), epochs=4, **TINY_DRAFTER))

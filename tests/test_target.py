@@ -68,3 +68,28 @@ def test_padded_heads_variant_computes_the_same_hidden_states(target_path, refer
     assert ((got - want).norm() / want.norm()).item() < 1e-5
     with pytest.raises(TargetError, match="group size"):
         pad_attention_heads(target_path, tmp_path / "bad", 12, 6)
+
+
+def test_two_processes_materialize_one_model_in_turn(monkeypatch, tmp_path):
+    """Parallel test workers (or two notebooks) on an empty cache: the second waits for the first's publish instead of
+    deleting the folder the first is reading. Two threads stand for them (flock excludes two opens of the lock)."""
+    import threading
+
+    import eagle3kit.target as T
+
+    inside, most = [], []
+
+    def one_at_a_time(name, cache, out):
+        inside.append(name)
+        most.append(len(inside))
+        time.sleep(0.2)
+        inside.pop()
+        return out
+
+    monkeypatch.setattr(T, "_materialize", one_at_a_time)
+    threads = [threading.Thread(target=materialize, args=("smollm2", tmp_path)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most == [1, 1]

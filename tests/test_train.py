@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,15 +16,20 @@ import torch
 from eagle3kit.drafter import data as D
 from eagle3kit.drafter.train import TrainConfig, TrainError, train
 from tests.conftest import ROOT
+from tests.conftest import TINY_DRAFTER as TINY
 
-TINY = {"draft_vocab_size": 512, "ttt_steps": 2, "serving_steps": 2, "tokens_per_batch": 256, "workers": 0,
-        "progress": False, "lr": 1e-3}
+
+def _free_port() -> int:
+    """A port no one listens on now: parallel test workers each run their torchrun on its own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _cli(data, out, extra=(), torchrun=0):
     sets = [a for k, v in {**TINY, **dict(extra)}.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port",
-            "29533", "-m", "eagle3kit.cli"] if torchrun else [sys.executable, "-m", "eagle3kit.cli"]
+            str(_free_port()), "-m", "eagle3kit.cli"] if torchrun else [sys.executable, "-m", "eagle3kit.cli"]
     return [*head, "train", "--data", str(data), "--out", str(out), *sets]
 
 
@@ -33,6 +39,29 @@ def _env():
 
 def _weights(out):
     return torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def _stepped_clock(monkeypatch, step_seconds):
+    """train()'s clock made a simulated one: ``step_seconds(step)`` for each optimizer step (a forward with its loss)
+    and a millisecond for each reading (setup, evaluations, saves take time too), so a time budget runs out after a
+    few real steps whatever the machine's load, at the pace the test sets. Returns the clock."""
+    import eagle3kit.drafter.train as T
+
+    now, steps, real_forward = [0.0], [0], T.forward_batch
+
+    def forward(run, module, batch, ttt, with_loss=True, walk=None):
+        if with_loss:
+            steps[0] += 1
+            now[0] += step_seconds(steps[0])
+        return real_forward(run, module, batch, ttt, with_loss, walk)
+
+    def clock():
+        now[0] += 1e-3
+        return now[0]
+
+    monkeypatch.setattr(T, "forward_batch", forward)
+    monkeypatch.setattr(T, "_now", clock)
+    return clock
 
 
 def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
@@ -166,8 +195,8 @@ def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
     wrapper = tmp_path / "fast_clock_rank1.py"
     wrapper.write_text("import os, sys, time\n"
                        "import eagle3kit.drafter.train as T\n"
-                       "real, switched, fit = time.time, [], T._fitted_steps\n"
-                       "time.time = lambda: real() if not switched else switched[0] + 3.0 * (real() - switched[0])\n"
+                       "real, switched, fit = T._now, [], T._fitted_steps\n"
+                       "T._now = lambda: real() if not switched else switched[0] + 3.0 * (real() - switched[0])\n"
                        "def fitted(*a):\n"
                        "    if os.environ.get('RANK') == '1' and not switched:\n"
                        "        switched.append(real())\n"
@@ -194,12 +223,11 @@ def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
     assert "fit_schedule:" in r.stdout
 
 
-def test_training_learns_and_exports_what_was_trained(small_dataset, tmp_path):
+def test_training_learns_and_exports_what_was_trained(small_dataset, trained_drafter, tmp_path):
     from eagle3kit.doctor import diagnose
     from eagle3kit.drafter.export import load_sglang_export, loadback_rel_err
 
-    out = tmp_path / "run"
-    s = train(TrainConfig(data=str(small_dataset), out_dir=str(out), epochs=4, **TINY))
+    out, s = trained_drafter  # 4 epochs of TINY
     assert s["heldout_loss_pos0"] < s["initial_heldout_loss_pos0"]
     assert s["train_acc_pos0"] > s["baseline_acc_pos0"]
     assert loadback_rel_err(out, small_dataset) < 0.05  # bf16 export of the fp32 weights
@@ -290,16 +318,17 @@ def test_a_recorded_post_norm_slot_gives_the_teacher_the_targets_own_logits(smal
     assert meta["final_pre_norm"] is False and meta["teacher_exact"] is True and diagnose(tmp_path / "t" / "best").ok
 
 
-def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_path):
+def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_path, monkeypatch):
     """A plan far longer than the budget: fitted to the measured pace, it ends at the minimum lr, in time, with an
     evaluation of the last step (without fit_schedule it would stop mid-plan at a high lr). The budget leaves room
     for the second look at the pace (a plan of 40 steps or more after the fit): with 0.25 min the plan had 36 and one
     run, slowed by half after the fit, stopped 6 steps short."""
-    budget = 0.4  # minutes
-    t0 = time.time()
+    clock = _stepped_clock(monkeypatch, lambda step: 1.0)
+    budget = 0.8  # minutes: 45 steps of 1 s
+    t0 = clock()
     s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=budget, eval_every=100_000,
                           fit_schedule=True, **TINY))
-    took = time.time() - t0
+    took = clock() - t0
     assert 20 < s["train_steps"] == s["train_total_steps_fitted"] < s["train_total_steps_planned"], s
     assert not s["train_stopped_early"] and 0 <= s["train_data_wait_fraction"] < 1
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
@@ -319,22 +348,16 @@ def test_fit_schedule_times_its_pace_after_the_first_step(small_dataset, tmp_pat
     0.2 s a step higher and the plan cut short)."""
     import eagle3kit.drafter.train as T
 
-    real_forward, real_fit, seen = T.forward_batch, T._fitted_steps, {}
-
-    def slow_first(run, module, batch, steps, with_loss=True, walk=None):
-        if with_loss and not seen.get("slowed"):
-            seen["slowed"] = True
-            time.sleep(4.0)
-        return real_forward(run, module, batch, steps, with_loss, walk)
+    real_fit, seen = T._fitted_steps, {}
+    _stepped_clock(monkeypatch, lambda step: 4.5 if step == 1 else 0.5)  # the first step 4 s slower than the rest
 
     def spy(cfg, state, seconds_so_far, pace, *a):
         seen.setdefault("pace", pace)  # the first fit's (later checks use the pace since it)
         return real_fit(cfg, state, seconds_so_far, pace, *a)
 
-    monkeypatch.setattr(T, "forward_batch", slow_first)
     monkeypatch.setattr(T, "_fitted_steps", spy)
-    train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=0.5,
-                      eval_every=100_000, fit_schedule=True, **TINY))
+    train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=0.3,
+                      eval_every=100_000, fit_schedule=True, **TINY))  # 0.3 min: about 30 steps of 0.5 s
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
     after_first = sum(r["seconds"] for r in rows[1:21]) / 20
     assert rows[0]["seconds"] >= 4.0 and "pace" in seen
@@ -351,23 +374,18 @@ def test_fit_schedule_fits_again_when_the_pace_slows(small_dataset, tmp_path, mo
     the budget."""
     import eagle3kit.drafter.train as T
 
-    real_forward, real_fit, fits = T.forward_batch, T._fitted_steps, []
-
-    def slower_later(run, module, batch, steps, with_loss=True, walk=None):
-        if with_loss and len(fits) >= 1:  # after the first fit, every step 0.4 s slower
-            time.sleep(0.4)
-        return real_forward(run, module, batch, steps, with_loss, walk)
+    real_fit, fits = T._fitted_steps, []
+    _stepped_clock(monkeypatch, lambda step: 0.5 if fits else 0.1)  # after the first fit, every step 0.4 s slower
 
     def spy(cfg, state, *a):
         fits.append((state["step"], real_fit(cfg, state, *a)))
         return fits[-1][1]
 
-    monkeypatch.setattr(T, "forward_batch", slower_later)
     monkeypatch.setattr(T, "_fitted_steps", spy)
     # the first fit after 5 steps, not 20: the second look needs 2 * FIT_AFTER steps left in the plan, which a
     # loaded 2-core machine did not leave at 20 (2026-12-02: one fit, 59 steps planned at step 21, stopped at 52)
     monkeypatch.setattr(T, "FIT_AFTER", 5)
-    budget = 0.5
+    budget = 0.3  # the first fit plans about 170 steps at 0.1 s; the second look, 0.5 s a step, cuts it to about 40
     s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=budget,
                           eval_every=100_000, fit_schedule=True, **TINY))
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
@@ -384,11 +402,11 @@ def test_fit_schedule_fits_again_when_the_pace_slows(small_dataset, tmp_path, mo
     assert spent + (first_plan - first_at) * slow > 60 * budget  # the first plan would have been cut by the budget
 
 
-def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
+def test_resume_with_other_settings_is_refused(small_dataset, trained_drafter, tmp_path):
     out = tmp_path / "r"
-    train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=1, **TINY))
-    with pytest.raises(TrainError, match="other settings"):
-        train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=1, **{**TINY, "lr": 5e-4}))
+    shutil.copytree(trained_drafter[0], out)  # a run of 4 epochs
+    with pytest.raises(TrainError, match=r"other settings \{'lr': \(0.001, 0.0005\)\}"):
+        train(TrainConfig(data=str(small_dataset), out_dir=str(out), epochs=4, **{**TINY, "lr": 5e-4}))
 
 
 @pytest.mark.parametrize("bad", [{"loss": "mse"}, {"lm_head": "tied"}, {"ttt_steps": 2, "serving_steps": 3},
@@ -464,7 +482,7 @@ def test_fp8_copy_trains_on_the_same_states_within_fp8(small_dataset, tmp_path):
     assert 0 < err < 0.05 and torch.equal(a.load(0)["token_ids"], b.load(0)["token_ids"])
 
 
-def test_a_post_norm_drafter_stays_flagged_after_a_re_export(small_dataset, tmp_path):
+def test_a_post_norm_drafter_stays_flagged_after_a_re_export(small_dataset, trained_drafter, tmp_path):
     """The export records what the training data's final slot was; `eagle3kit export sglang` of that export keeps
     it, so the doctor still flags a drafter trained on post-norm states (it was rewritten as pre-norm before)."""
     from eagle3kit.doctor import diagnose
@@ -483,8 +501,7 @@ def test_a_post_norm_drafter_stays_flagged_after_a_re_export(small_dataset, tmp_
     # 05 runs the doctor on every control before serving: the post-norm one is flagged, one trained right passes
     from eagle3kit.acceptance.experiment import control_verdicts
 
-    pre = tmp_path / "pre"
-    train(TrainConfig(data=str(small_dataset), out_dir=str(pre), max_steps=1, **TINY))
+    pre = trained_drafter[0]
     v = control_verdicts({"postnorm": again, "engine": pre / "best", "missing": tmp_path / "nothing"})
     assert v["postnorm_doctor_ok"] is False and "before the norm" in v["postnorm_doctor_findings"]
     assert v["engine_doctor_ok"] is True and v["missing_doctor_ok"] is False
@@ -598,7 +615,8 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
         torch._dynamo.reset()
 
 
-def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, tmp_path, target_path, monkeypatch):
+def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, trained_drafter, tmp_path, target_path,
+                                                                monkeypatch):
     """offline.first_replies: only the chosen conversations, each with only its first assistant reply counted (the
     reply SGLang decodes from the online prompt of that conversation): the evaluated rows are exactly the first
     replies' adjacent token pairs, fewer than all replies' of the same samples (the restriction can fail). The online
@@ -609,8 +627,7 @@ def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, 
     from eagle3kit.acceptance import offline, online
     from eagle3kit.store import read_manifest
 
-    out = tmp_path / "d"
-    train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))
+    out = trained_drafter[0]
     entries = sorted(read_manifest(small_dataset).values(), key=lambda e: (-len(e["loss_spans"]), e["index"]))
     chosen = entries[:3]
     assert len(chosen[0]["loss_spans"]) >= 2, "the data set needs a sample of several replies for this test"

@@ -13,6 +13,7 @@ Nothing is downloaded from a model hub.
 """
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -56,11 +57,20 @@ def _gguf_path(spec: dict) -> Path:
 
 
 def materialize(name: str = "smollm2", cache: Path | None = None) -> Path:
-    """Dequantize the embedded GGUF into ``<cache>/models/<dirname>`` (bf16 safetensors). Idempotent."""
+    """Dequantize the embedded GGUF into ``<cache>/models/<dirname>`` (bf16 safetensors). Idempotent, and one process
+    at a time per model: two starting on an empty cache (parallel test workers, two notebooks) would each publish,
+    the second deleting the folder the first is reading; the second waits and finds it current."""
     if name not in EMBEDDED:
         raise TargetError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED)}")
+    out = Path(cache or cache_dir()) / "models" / EMBEDDED[name]["dirname"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _materialize(name, cache, out)
+
+
+def _materialize(name: str, cache: Path | None, out: Path) -> Path:
     spec = EMBEDDED[name]
-    out = Path(cache or cache_dir()) / "models" / spec["dirname"]
     if "derive" in spec:
         src = materialize(spec["derive"], cache)
         return out if _is_current(out) else pad_attention_heads(src, out, spec["heads"], spec["kv_heads"])

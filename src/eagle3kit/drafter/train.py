@@ -578,6 +578,10 @@ def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int |
     return ChainCounts.from_tensor(steps, total)
 
 
+# train()'s clock (seconds, monotonic): max_minutes, fit_schedule's pace and every timing in the log and summary read
+# it, so a test can run a budget on a clock it advances instead of sleeping through it
+_now = time.perf_counter
+
 FIT_AFTER = 20  # fit_schedule: optimizer steps timed before the plan is cut to the budget (after the first step,
 # whose compile of the flex attention kernel (tens of seconds on a GPU) is not the pace)
 
@@ -634,7 +638,7 @@ def _check_resume(out: Path, cfg: TrainConfig) -> None:
 
 def train(cfg: TrainConfig, dist: Dist | None = None) -> dict:
     """Train (or resume) and return the summary written to ``<out_dir>/metrics.json``."""
-    t_call = time.time()
+    t_call = _now()
     # where this invocation's time went besides the steps: evaluations (with the best checkpoint's export), the final
     # export, checkpoints
     spent = {"eval": 0.0, "export": 0.0, "save": 0.0}
@@ -756,11 +760,11 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
     def save():
         if dist.rank != 0:
             return
-        t0 = time.time()
+        t0 = _now()
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         atomic_save({"model": trainable_state(run.model), "optimizer": opt.state_dict(),
                       "scheduler": sched.state_dict(), "rng": rng_state(run.device), "state": state}, ckpt)
-        spent["save"] += time.time() - t0
+        spent["save"] += _now() - t0
 
     if dist.rank == 0:  # a killed run's torn last line would join the resumed run's first row
         for name in ("train_log.jsonl", "evals.jsonl"):
@@ -772,7 +776,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                 f.write(json.dumps(row) + "\n")
 
     def do_eval():
-        t0 = time.time()
+        t0 = _now()
         counts = evaluate(run, eval_steps)
         m = counts.metrics("heldout_")
         chosen_by = evaluate(run, eval_steps, source=run.val_src) if run.val_src is not None else None
@@ -787,16 +791,16 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
             state["best_tau"] = state["best_tau"] if tau is None else tau
             state["best"] = row
             export(run, out / "best", extra={"step": state["step"], "heldout": m})
-        spent["eval"] += time.time() - t0
+        spent["eval"] += _now() - t0
         return m
 
-    setup_seconds = time.time() - t_call
+    setup_seconds = _now() - t_call
     if state["step"] == 0 and not ckpt.exists():
         state["initial"] = do_eval()  # the untrained drafter: what "held-out loss fell" is measured against
         state["eval_seconds"] = spent["eval"]  # fit_schedule's cost of one evaluation, kept for a resume
     eval_seconds = state.get("eval_seconds", spent["eval"])
     run.model.train()
-    t_start = time.time()
+    t_start = _now()
     fit_from = state["step"] + 1 if cfg.fit_schedule and not state.get("fitted") else None  # pace timed from here
     fit_at, t_fit = (fit_from + FIT_AFTER if fit_from is not None else None), None
     # fitted again a third of the way through the plan, or sooner when a third of the time left has passed (a pace
@@ -814,13 +818,13 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
         for _ in range(in_epoch, steps_per_epoch):
             if state["step"] >= total_steps:
                 break
-            t0 = time.perf_counter()
+            t0 = _now()
             counts = torch.zeros(6 * cfg.ttt_steps + 2, dtype=torch.float64, device=run.device)
             rows, waited = 0, 0.0
             for micro in range(cfg.grad_accum):
-                tw = time.perf_counter()
+                tw = _now()
                 _, batch, skipped = next(it)
-                waited += time.perf_counter() - tw
+                waited += _now() - tw
                 state["skipped"] += len(skipped)
                 for s in skipped[:3]:
                     print(f"[train] skipped {s}", flush=True)
@@ -840,9 +844,9 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
             opt.zero_grad(set_to_none=True)
             if run.device.type == "cuda":
                 torch.cuda.synchronize(run.device)
-            dt = time.perf_counter() - t0
-            overdue = refit_at is not None and time.time() - t_refit > refit_after_s
-            out_of_time = bool(cfg.max_minutes) and time.time() - t_start > 60 * cfg.max_minutes
+            dt = _now() - t0
+            overdue = refit_at is not None and _now() - t_refit > refit_after_s
+            out_of_time = bool(cfg.max_minutes) and _now() - t_start > 60 * cfg.max_minutes
             if dist.world > 1:  # every rank decides at the same step, whichever rank's clock called it: the flags
                 # travel with the row counts (a rank that looked or stopped alone would enter a collective the
                 # others do not: a hang)
@@ -865,10 +869,10 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                                 **_stream_postfix(live, state), refresh=False)
                 bar.update(1)
             if state["step"] == fit_from:
-                t_fit = time.time()
+                t_fit = _now()
             look = refit_at is not None and (state["step"] == refit_at or overdue)  # the same step on every rank
             if state["step"] == fit_at:
-                fitted = _fitted_steps(cfg, state, time.time() - t_start, (time.time() - t_fit) / FIT_AFTER,
+                fitted = _fitted_steps(cfg, state, _now() - t_start, (_now() - t_fit) / FIT_AFTER,
                                        eval_seconds, steps_per_epoch)
                 dist_fitted = int(dist.all_min(torch.tensor([fitted], device=run.device)).item())  # in time on
                 # every rank's clock
@@ -880,8 +884,8 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                 # a pace that changed after the first 20 steps (another process on the machine, a later stretch of
                 # the data: 0.22 s a step, then 0.34 s, seen in a CPU test run) would end the run before the cosine
                 # does; the pace since the last fit, evaluations left out (counted apart), can only shorten the plan
-                pace = (time.time() - t_refit - (spent["eval"] - eval_at_fit)) / (state["step"] - last_fit)
-                refit = min(total_steps, _fitted_steps(cfg, state, time.time() - t_start, pace, eval_seconds,
+                pace = (_now() - t_refit - (spent["eval"] - eval_at_fit)) / (state["step"] - last_fit)
+                refit = min(total_steps, _fitted_steps(cfg, state, _now() - t_start, pace, eval_seconds,
                                                        steps_per_epoch))
                 refit = int(dist.all_min(torch.tensor([refit], device=run.device)).item())
                 if refit < total_steps:
@@ -893,7 +897,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                 refit_at = None  # the next check a third of the way through what is left, in steps or in time
                 if total_steps - state["step"] >= 2 * FIT_AFTER:
                     refit_at = state["step"] + (total_steps - state["step"]) // 3
-                    t_refit, eval_at_fit, last_fit = time.time(), spent["eval"], state["step"]
+                    t_refit, eval_at_fit, last_fit = _now(), spent["eval"], state["step"]
                     refit_after_s = (60 * cfg.max_minutes * 0.95 - (t_refit - t_start)) / 3
                 if bar is not None:
                     bar.total = total_steps
@@ -914,14 +918,14 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
     if bar is not None:
         bar.close()
     if dist.rank == 0:
-        t0 = time.time()
+        t0 = _now()
         export(run, out / "final", extra={"step": state["step"]})
-        spent["export"] += time.time() - t0
+        spent["export"] += _now() - t0
     summary = _summary(run, state, lengths)
     if live is not None:
         summary.update(_live_summary(run, state, out, live.close(state["step"] % steps_per_epoch == 0)))
     # this invocation's wall time, and what took it besides the optimizer steps (train_seconds, all invocations)
-    summary.update(train_wall_seconds=time.time() - t_call, train_setup_seconds=setup_seconds,
+    summary.update(train_wall_seconds=_now() - t_call, train_setup_seconds=setup_seconds,
                    **{f"train_{k}_seconds": v for k, v in spent.items()})
     if dist.rank == 0:
         (out / "metrics.json").write_text(json.dumps(summary, indent=1, sort_keys=True))
