@@ -184,8 +184,8 @@ def test_a_second_training_into_the_same_folder_is_refused(small_dataset, tmp_pa
 def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
     """fit_schedule and max_minutes under DDP: every look at the pace (a third of the plan's steps, or a third of the
     time left, whichever comes first) and the budget's stop happen at the same step on every rank, whichever rank's
-    clock called them, and the plan is the one that ends in time on every rank's clock (the least). Rank 1's clock
-    here runs 3x fast from the first fit on (its pace seems to slow; rank 0's does not): a rank that looked alone
+    clock called them, and the plan is the one that ends in time on every rank's clock (the least). Rank 1's steps
+    take 3x as long on its clock from the first fit on (its pace seems to slow; rank 0's does not): a rank that looked alone
     would enter a collective the other does not (the flags unsynced: a hang, caught by the timeout). Both end
     together, at the minimum lr, in time by either clock. The first fit after 3 steps, not 20: a plan of 59 steps left
     no later look (stopped at 37), and the stretch after the last look (under 2 x FIT_AFTER steps) must fit in the
@@ -193,15 +193,23 @@ def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
     42 steps with the first fit after 5): the least is kept because it is in time by construction."""
     out = tmp_path / "fit2"
     wrapper = tmp_path / "fast_clock_rank1.py"
-    wrapper.write_text("import os, sys, time\n"
+    wrapper.write_text("import os, sys\n"
                        "import eagle3kit.drafter.train as T\n"
-                       "real, switched, fit = T._now, [], T._fitted_steps\n"
-                       "T._now = lambda: real() if not switched else switched[0] + 3.0 * (real() - switched[0])\n"
+                       # a simulated clock: 0.5 s an optimizer step (1 ms a reading), 1.5 s on rank 1 after its first
+                       # fit, so the budget runs out after a few real steps at the pace set, whatever the load
+                       "now, switched, fit, forward = [0.0], [], T._fitted_steps, T.forward_batch\n"
+                       "def step(run, module, batch, ttt, with_loss=True, walk=None):\n"
+                       "    if with_loss:\n"
+                       "        now[0] += 1.5 if switched else 0.5\n"
+                       "    return forward(run, module, batch, ttt, with_loss, walk)\n"
+                       "def clock():\n"
+                       "    now[0] += 1e-3\n"
+                       "    return now[0]\n"
                        "def fitted(*a):\n"
                        "    if os.environ.get('RANK') == '1' and not switched:\n"
-                       "        switched.append(real())\n"
+                       "        switched.append(True)\n"
                        "    return fit(*a)\n"
-                       "T._fitted_steps = fitted\n"
+                       "T._now, T.forward_batch, T._fitted_steps = clock, step, fitted\n"
                        "T.FIT_AFTER = 3\n"  # later looks need 2 x FIT_AFTER steps left: a loaded machine's short plan
                        "from eagle3kit.cli import main\n"
                        "sys.exit(main(sys.argv[1:]))\n")
