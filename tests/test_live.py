@@ -163,7 +163,7 @@ def test_live_settings_are_checked(capsys):
 
 RECIPE = {"target": "embedded:smollm2", "draft_vocab_size": 1024, "ttt_steps": 2, "serving_steps": 2,
           "tokens_per_batch": 64, "epochs": 1, "workers": 1, "progress": False, "save_every": 1, "lr": 1e-3}
-LIVE = {"engine": "transformers", "max_samples": 8, "max_tokens": 48, "heldout_percent": 25, "stream_gb": 0.001}
+LIVE = {"engine": "transformers", "max_samples": 16, "max_tokens": 64, "heldout_percent": 25, "stream_gb": 0.001}
 
 
 @pytest.fixture(scope="module")
