@@ -216,3 +216,12 @@ def test_live_training_killed_resumed_equals_training_from_files(file_run):
     assert not Path(s["live_stream_dir"]).exists()
     on_disk = [p for p in out.rglob("*.safetensors") if p.name != "model.safetensors"]
     assert not on_disk
+
+
+def test_the_stream_folder_must_be_in_ram(tmp_path):
+    """A stream folder on a disk would put hidden states on it: only tmpfs/ramfs pass (open_live refuses the rest)."""
+    from eagle3kit.live.session import on_ram
+
+    assert on_ram(Path("/dev/shm"))
+    disk = Path(__file__).parent  # the checkout: a disk
+    assert not on_ram(disk)
