@@ -129,8 +129,6 @@ class LiveStream:
         self.peak_accounted_bytes = 0  # what the bound is held against: estimates of those asked + files buffered
         self._consumed_off = 0
         self._last_status = 0.0
-        self._t0 = time.time()
-        self._waits = []
 
     def estimate(self, n_tokens: int) -> int:
         """A capture's bytes before it exists: the tensors and the file's header and metadata (at most a few KB)."""
@@ -278,7 +276,7 @@ class LiveStream:
         with self._lock:
             o = self._out.get(key)
             if o is None:  # dropped meanwhile (its epoch is over): its files go
-                self._remove_files(key, marker)
+                self._remove_files(key)
                 return
             if marker.get("status") == "ok":
                 self.n["captured"] += 1
@@ -360,9 +358,9 @@ class LiveStream:
     def _drop(self, key: str) -> None:
         o = self._out.pop(key)
         if o["state"] == "buffered":
-            self._remove_files(key, {})
+            self._remove_files(key)
 
-    def _remove_files(self, key: str, marker: dict) -> None:
+    def _remove_files(self, key: str) -> None:
         name = sample_name(key, 0)
         (self.samples_dir / f"{name}.safetensors").unlink(missing_ok=True)
         (self.samples_dir / f"{name}.json").unlink(missing_ok=True)
@@ -378,8 +376,7 @@ class LiveStream:
         measured = _folder_bytes(self.samples_dir)
         with self._lock:
             accounted = self._accounted()
-            prog = {"in_flight": sum(1 for o in self._out.values() if o["state"] == "asked"),
-                    "buffered": sum(1 for o in self._out.values() if o["state"] == "buffered")}
+        prog = self.progress()
         self.peak_stream_bytes = max(self.peak_stream_bytes, measured)
         self.peak_accounted_bytes = max(self.peak_accounted_bytes, accounted)
         st = {"epoch": self._epoch, "position": self._pos, "of": len(self._order), **prog, **dict(self.n),
