@@ -2,6 +2,10 @@
 names the input and the fix (exit 2, no traceback, nothing written), or counted and reported; a run that would
 capture nothing fails."""
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -117,6 +121,47 @@ def test_two_extractions_into_one_folder_exclude_each_other(tmp_path, monkeypatc
         assert not (tmp_path / "out" / "manifest.jsonl").exists()
     assert cli.main(argv) == 0
     assert (tmp_path / "out" / "manifest.jsonl").exists() and not (tmp_path / "out" / ".lock").exists()
+
+
+def test_a_killed_holders_forked_children_are_waited_for_not_reported_as_another_run(tmp_path):
+    """A run killed with SIGKILL leaves its forked children (loader workers) holding the flock while they exit: the
+    next run into the folder waits for them when the holder named in the lock file is gone, and refuses at once
+    when it is alive."""
+    import fcntl
+    import socket
+
+    from eagle3kit.pipeline import exclusive
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    holder = f"pid {dead.pid} on {socket.gethostname()}"
+    (out / ".lock").write_text(holder)
+    # a child that holds the lock for 1.5 s, as a killed trainer's exiting loader worker would
+    child = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                              "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1.5)",
+                              str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    t0 = time.monotonic()
+    with exclusive(out, "training", orphan_wait_s=20):
+        assert time.monotonic() - t0 >= 0.5  # it waited for the child, not took the lock beside it
+        assert (out / ".lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
+    child.wait()
+    # a holder that is alive (this process) is refused at once, and so is a dead one whose children never let go
+    with open(out / ".lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"another training is writing there \(pid"):
+            with exclusive(out, "training", orphan_wait_s=20):
+                pass
+        assert time.monotonic() - t0 < 1
+        f.seek(0), f.truncate(), f.write(holder), f.flush()
+        with pytest.raises(ValueError, match="processes it started still hold the lock after 0.5 s"):
+            with exclusive(out, "training", orphan_wait_s=0.5):
+                pass
 
 
 @pytest.mark.parametrize("args,words", [

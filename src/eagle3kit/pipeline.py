@@ -162,11 +162,27 @@ def prefill_graph_report(log_path) -> dict:
     return out
 
 
+def _holder_ended(holder: str) -> bool:
+    """True when ``holder`` ("pid N on HOST", as exclusive writes it) names a process of this host that is gone."""
+    parts = holder.split()
+    if len(parts) != 4 or parts[0] != "pid" or parts[2] != "on" or parts[3] != socket.gethostname():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except (ValueError, PermissionError):
+        return False
+    return False
+
+
 @contextmanager
-def exclusive(out_dir, kind: str = "extraction"):
+def exclusive(out_dir, kind: str = "extraction", orphan_wait_s: float = 30.0):
     """Hold ``<out>/.lock`` (flock) while an extraction (or a training: ``kind``) writes there: a second one into the
-    same folder is refused at once, naming the holder. A folder this call created and left empty (a run refused
-    after its checks, e.g. nothing to capture) is removed again, so it locks no settings."""
+    same folder is refused at once, naming the holder. When the holder named in the file has ended on this host (a
+    killed run), the lock can still be held for a moment by the processes it forked, which are exiting: that is
+    waited for, up to ``orphan_wait_s``. A folder this call created and left empty (a run refused after its checks,
+    e.g. nothing to capture) is removed again, so it locks no settings."""
     import fcntl
 
     out = Path(out_dir)
@@ -174,15 +190,25 @@ def exclusive(out_dir, kind: str = "extraction"):
     out.mkdir(parents=True, exist_ok=True)
     lock = out / ".lock"
     f = open(lock, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise ValueError(f"--out {out}: another {kind} is writing there ({holder}); wait for it to finish, or "
-                         f"choose another --out" + (" (shards of one data set each get their own folder)"
-                                                    if kind == "extraction" else "")) from None
+    deadline = None
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            if _holder_ended(holder):  # its forked children (loader workers) still hold the lock while they exit
+                deadline = deadline or time.monotonic() + orphan_wait_s
+                if time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+            f.close()
+            gone = (f"; that process has ended but processes it started still hold the lock after {orphan_wait_s:g} s: "
+                    f"stop them (fuser {lock})" if deadline else "")
+            raise ValueError(f"--out {out}: another {kind} is writing there ({holder}{gone}); wait for it to finish, "
+                             f"or choose another --out" + (" (shards of one data set each get their own folder)"
+                                                           if kind == "extraction" else "")) from None
     try:
         f.seek(0)
         f.truncate()
