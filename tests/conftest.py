@@ -19,6 +19,13 @@ def _gpu_ready() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # the slow tests (a minute or more each) start first, the longest (``slow(minutes)``) before the others: xdist's
+    # loadgroup hands tests out one at a time in this order, so the two workers share the long ones and finish
+    # together instead of one ending with them
+    def minutes(item):
+        m = item.get_closest_marker("slow")
+        return (m.args[0] if m.args else 1) if m else 0
+    items.sort(key=minutes, reverse=True)
     if _gpu_ready():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and SGLang (run on the GPU machine: scripts/gpu_record.sh tests)")

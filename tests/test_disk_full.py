@@ -21,6 +21,7 @@ def small_fs(tmp_path):
         yield mnt
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_fs, target_path):
     out = small_fs / "data"
     filler = small_fs / "filler"

@@ -360,6 +360,7 @@ def test_an_export_killed_midway_leaves_nothing_that_loads_at_its_destination(tm
     assert not list(tmp_path.glob(".*partial*")) and oct(dest.stat().st_mode & 0o777) == "0o755"
 
 
+@pytest.mark.slow
 def test_resume_after_a_real_kill(tmp_path, target_path):
     """SIGKILL an extraction mid-run; the rerun completes it with every sample exactly once and verified."""
     out = tmp_path / "killed"

@@ -180,6 +180,7 @@ def file_run(tmp_path_factory, target_path):
     return root, summary
 
 
+@pytest.mark.slow
 def test_live_training_killed_resumed_equals_training_from_files(file_run):
     """One recipe, the same conversations: trained live (killed with SIGKILL after a checkpoint, then resumed) and from
     files. The reference engine is deterministic, so the drafters are the same; no hidden state reached the disk."""

@@ -32,6 +32,7 @@ def test_a_good_data_set_passes(small_dataset, capsys):
     assert "3 random samples recomputed by the reference engine, 0 failed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake", ["neighbouring layer", "token shifted by one"])
 def test_wrong_states_with_good_checksums_fail(small_dataset, tmp_path, target_path, capsys, mistake):
     import torch
@@ -56,6 +57,7 @@ def test_wrong_states_with_good_checksums_fail(small_dataset, tmp_path, target_p
     assert "2 failed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_post_norm_final_slot_is_checked_against_the_references_normed_state(small_dataset, tmp_path, capsys):
     """A data set recorded ``final_slot: post_norm`` (captured inside SGLang's prefill graph) passes when its last
     slot is the norm's output, and fails when it holds the pre-norm state under that record."""

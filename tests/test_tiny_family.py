@@ -53,10 +53,17 @@ def test_transformers_loads_the_per_expert_files_into_the_same_network(deepseek_
     assert differ == [k for k in a if k.endswith("e_score_correction_bias")]  # set after init, on purpose
 
 
+@pytest.mark.slow(2)
 def test_capture_steps_run_on_the_tiny_deepseek(tmp_path):
     out = tmp_path / "run"
+    # the params' steps at the smallest sizes whose claims hold (the whole 49,152-token draft vocabulary stays: a
+    # random target's tokens fall anywhere in it, and 2,048 left no held-out row counted)
+    small = ["01_tp_check.num_prompts=2", "01_tp_check.max_len=64", "02_capture_spec.num_concurrent=8",
+             "03_extract.max_tokens=160", "03_extract.max_samples=12", "03_extract.compact_samples=2",
+             "03_extract.reference_check=1", "04_train.tokens_per_batch=256"]
     r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "run", str(ROOT / "params" / "cpu-deepseek-tiny.yaml"),
-                        "--run-dir", str(out)], capture_output=True, text=True, timeout=1500,
+                        "--run-dir", str(out), *(a for kv in small for a in ("--set", kv))],
+                       capture_output=True, text=True, timeout=1500,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     status = json.loads((out / "status.json").read_text())

@@ -64,6 +64,7 @@ def _stepped_clock(monkeypatch, step_seconds):
     return clock
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
     extra = {"max_steps": 14, "save_every": 2, "eval_every": 7}
     whole = tmp_path / "whole"
@@ -98,6 +99,7 @@ def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
     assert rows[-1]["step"] == 14 and 99 not in [r["step"] for r in rows]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_equal_one_rank_with_the_same_global_batch(small_dataset, tmp_path):
     extra = {"max_steps": 6, "save_every": 6}
     one, two = tmp_path / "one", tmp_path / "two"
@@ -116,11 +118,12 @@ def test_two_gloo_ranks_equal_one_rank_with_the_same_global_batch(small_dataset,
     assert moved < 1e-4
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_resume_exactly_after_a_kill(small_dataset, tmp_path):
     """Exact resume under DDP: two gloo ranks killed (SIGKILL to torchrun's whole group) after a checkpoint, then
     resumed, end with the weights of an uninterrupted two-rank run (each rank's data position, the optimizer and the
     schedule come back; a rank resuming elsewhere in its shard would train on other batches)."""
-    extra = {"max_steps": 30, "save_every": 2, "eval_every": 15, "grad_accum": 1}
+    extra = {"max_steps": 12, "save_every": 2, "eval_every": 6, "grad_accum": 1}
     whole, cut = tmp_path / "whole2", tmp_path / "cut2"
     r = subprocess.run(_cli(small_dataset, whole, extra, torchrun=2), env=_env(), capture_output=True, text=True,
                        timeout=600)
@@ -147,16 +150,16 @@ def test_two_gloo_ranks_resume_exactly_after_a_kill(small_dataset, tmp_path):
         while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]:
             time.sleep(0.05)  # gone (or a zombie until init reaps it)
     left = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]  # what the kill left on disk
-    assert killed_at is not None and left < 30 and not (cut / "metrics.json").exists(), "not interrupted"
+    assert killed_at is not None and left < 12 and not (cut / "metrics.json").exists(), "not interrupted"
     r = subprocess.run(_cli(small_dataset, cut, extra, torchrun=2), env=_env(), capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed from {ckpt} at step {left} of 30" in r.stdout
+    assert f"resumed from {ckpt} at step {left} of 12" in r.stdout
     a, b = _weights(whole), _weights(cut)
     for k in a:
         assert torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max())
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (whole, cut))
-    assert ma["train_steps"] == mb["train_steps"] == 30 and ma["train_tokens_seen"] == mb["train_tokens_seen"]
+    assert ma["train_steps"] == mb["train_steps"] == 12 and ma["train_tokens_seen"] == mb["train_tokens_seen"]
 
 
 def test_a_second_training_into_the_same_folder_is_refused(small_dataset, tmp_path):
@@ -181,6 +184,7 @@ def test_a_second_training_into_the_same_folder_is_refused(small_dataset, tmp_pa
     assert s["train_steps"] == 2 and not (out / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
     """fit_schedule and max_minutes under DDP: every look at the pace (a third of the plan's steps, or a third of the
     time left, whichever comes first) and the budget's stop happen at the same step on every rank, whichever rank's
@@ -564,6 +568,7 @@ def test_several_packed_rows_in_one_forward_equal_each_row_alone(small_dataset, 
     assert sb["heldout_loss_pos0"] < sb["initial_heldout_loss_pos0"]
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monkeypatch):
     """compile_layers: dynamo takes each decoder layer whole (a backend that records the graphs it is given), and the
     compiled run ends with the eager run's weights; the comparison can fail (one optimizer step fewer is far outside

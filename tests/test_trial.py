@@ -7,10 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from eagle3kit.cli import main
 from eagle3kit.trial import CASES, Case, judge, run_case
 
 
+@pytest.mark.slow
 def test_every_bad_input_is_refused_or_counted(tmp_path):
     r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "trial", "--folder", str(tmp_path / "trial")],
                        capture_output=True, text=True, timeout=3000)

@@ -88,20 +88,25 @@ def bf16_errors(b16, ids, ref: dict) -> dict:
 
 
 def calibrate_bounds(reference, prompts: dict, factor: float = 3.0, floor: float = 0.03, refs: dict | None = None,
-                     b16=None) -> dict:
+                     b16=None, errs: dict | None = None) -> dict:
     """Per-token error bound of each slot, calibrated on bf16: the same model run in bf16 against the fp32
     reference on the same prompts; bound = max(floor, factor x the worst token seen). A bf16 engine (SGLang) stays
     inside it; a shifted token, another request's rows, a neighbouring layer or a post-norm state are 30-100 %
     off on the tokens they touch (``corruptions``; tests/test_capture_check.py). ``refs``: filled with the fp32
     reference's tensors per prompt key, for the check to reuse instead of running them again. ``b16``: a
-    ``bf16_engine`` to use (kept by the caller for ``token_bounds``); None: one made and dropped here."""
+    ``bf16_engine`` to use (kept by the caller for ``token_bounds``); None: one made and dropped here. ``errs``:
+    filled with the bf16 engine's per-token errors per prompt key (``bf16_errors``), for the check of the same prompts
+    to reuse (a bf16 forward on a CPU costs seconds)."""
     own = b16 is None
     b16 = bf16_engine(reference) if own else b16
     worst: dict = {}
     refs = {} if refs is None else refs
     for key, ids in prompts.items():
         b = refs[key] = refs.get(key) or reference.hidden(ids)
-        for slot, e in bf16_errors(b16, ids, b).items():
+        e16 = bf16_errors(b16, ids, b)
+        if errs is not None:
+            errs[key] = e16
+        for slot, e in e16.items():
             worst[slot] = max(worst.get(slot, 0.0), e.max().item())
     if own:
         del b16
@@ -130,10 +135,13 @@ def token_bounds(bounds: dict, errors: dict, factor: float = 5.0, window: int = 
     return {k: torch.clamp(factor * spread(errors[k]), min=v) if k in errors else v for k, v in bounds.items()}
 
 
-def prompt_bounds(bounds: dict, ids, ref: dict, b16=None) -> dict:
+def prompt_bounds(bounds: dict, ids, ref: dict, b16=None, errors: dict | None = None) -> dict:
     """The bounds one prompt is checked against: the slots' own, or with a ``bf16_engine`` raised at this prompt's
-    bf16-fragile tokens (``token_bounds``); ``ref``: the fp32 reference's tensors for ``ids``."""
-    return bounds if b16 is None else token_bounds(bounds, bf16_errors(b16, ids, ref))
+    bf16-fragile tokens (``token_bounds``); ``ref``: the fp32 reference's tensors for ``ids``; ``errors``: this
+    prompt's ``bf16_errors`` when already computed (``calibrate_bounds``' ``errs``)."""
+    if b16 is None:
+        return bounds
+    return token_bounds(bounds, errors if errors is not None else bf16_errors(b16, ids, ref))
 
 
 def check_states(captured: torch.Tensor, ref: torch.Tensor, bound: float) -> dict:
@@ -174,17 +182,18 @@ def final_post_norm(ref: dict, bounds: dict, layer_ids) -> tuple[dict, dict]:
     return {**ref, "hidden_states": hs}, {**bounds, layer_ids[-1]: bounds[FINAL_NORMED]}
 
 
-def check_capture(cap: dict, ids, ref: dict, layer_ids, bounds: dict, b16=None, post_norm: bool = False) -> list[dict]:
-    """``check_sample`` within this prompt's bounds (``prompt_bounds``); ``post_norm``: the capture's last slot is the
-    final norm's output (``final_post_norm``)."""
-    pb = prompt_bounds(bounds, ids, ref, b16)
+def check_capture(cap: dict, ids, ref: dict, layer_ids, bounds: dict, b16=None, post_norm: bool = False,
+                  errors: dict | None = None) -> list[dict]:
+    """``check_sample`` within this prompt's bounds (``prompt_bounds``, ``errors`` its bf16 errors if known);
+    ``post_norm``: the capture's last slot is the final norm's output (``final_post_norm``)."""
+    pb = prompt_bounds(bounds, ids, ref, b16, errors)
     if post_norm:
         ref, pb = final_post_norm(ref, pb, layer_ids)
     return check_sample(cap, ids, ref, layer_ids, pb)
 
 
 def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, rank: int = 0,
-                         refs: dict | None = None, b16=None) -> list[dict]:
+                         refs: dict | None = None, b16=None, errs: dict | None = None) -> list[dict]:
     """One row per (request, slot): the capture against the reference engine's state (``check_states``);
     ``refs``: reference tensors already computed per key (``calibrate_bounds``); those computed here are added to
     it (leave it None to keep none: a load test's references are GBs). ``b16``: a ``bf16_engine``: each prompt's
@@ -196,7 +205,7 @@ def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, ra
         if refs is not None:
             refs[key] = ref
         for r in check_capture(cap, ids, ref, meta["layer_ids"], bounds, b16,
-                               meta.get("final_slot", "pre_norm") == "post_norm"):
+                               meta.get("final_slot", "pre_norm") == "post_norm", (errs or {}).get(key)):
             rows.append({"key": key, "n_tokens": len(ids), **r})
     return rows
 

@@ -36,12 +36,13 @@ def reference_check(out_dir, n: int, seed: int = 0, device: str = "cpu", calibra
     samples = {e["key"]: load_checked(out_dir, e) for e in picked}  # checksum and manifest token ids first
     ids = {k: s["token_ids"].tolist() for k, s in samples.items()}
     refs: dict = {}
+    errs: dict = {}  # the bf16 forward of a calibration sample serves its check too
     b16 = spec.bf16_engine(ref)
-    bounds = spec.calibrate_bounds(ref, spec.calibration_set(ids, calibration), refs=refs, b16=b16)
+    bounds = spec.calibrate_bounds(ref, spec.calibration_set(ids, calibration), refs=refs, b16=b16, errs=errs)
     rows = []
     for k, s in samples.items():
         r0 = refs.get(k) or ref.hidden(ids[k])
-        for r in spec.check_capture(s, ids[k], r0, ref.layer_ids, bounds, b16, post):
+        for r in spec.check_capture(s, ids[k], r0, ref.layer_ids, bounds, b16, post, errs.get(k)):
             rows.append({"key": k, **r})
     failed = sorted({r["key"] for r in rows if not r["ok"]})
     return {"checked": len(samples), "failed": failed, "rows": rows, "bounds": bounds}
