@@ -9,17 +9,10 @@ from pathlib import Path
 
 
 def _extract(a):
+    from eagle3kit.extract_config import ExtractConfig
     from eagle3kit.pipeline import run_extraction
 
-    summary = run_extraction(target=a.target, data=a.data, out_dir=a.out, engine=a.engine, urls=a.urls,
-                             aux_layer_ids=a.layers, max_samples=a.max_samples, max_tokens=a.max_tokens,
-                             storage=a.storage, concurrency=a.concurrency, world_size=a.world_size, rank=a.rank,
-                             final_normed=a.final_normed, server_args=a.server_args, seed=a.seed,
-                             heldout_percent=a.heldout_percent, regenerate=a.regenerate,
-                             regenerate_max_new_tokens=a.regenerate_max_new_tokens,
-                             regenerate_minutes=a.regenerate_minutes, regenerate_servers=a.regenerate_servers,
-                             reference_device=a.reference_device, reference_dtype=a.reference_dtype, port=a.port,
-                             reference_batch_tokens=a.reference_batch_tokens, prefill_graph=a.prefill_graph)
+    summary = run_extraction(ExtractConfig.from_args(a))
     failures = summary.pop("failures_list", [])
     print(json.dumps(summary, indent=1, default=str))
     for f in failures[:5]:
@@ -194,6 +187,8 @@ def _trial(a):
 
 
 def main(argv=None) -> int:
+    from eagle3kit.extract_config import ExtractConfig
+
     p = argparse.ArgumentParser(prog="eagle3kit", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -205,43 +200,7 @@ def main(argv=None) -> int:
     r.add_argument("--run-dir", help="write into this folder instead of outputs/<experiment>/<timestamp>")
 
     e = sub.add_parser("extract", help="capture hidden states of a conversation data set")
-    e.add_argument("--target", default="embedded:smollm2")
-    e.add_argument("--data", default="embedded:sharegpt")
-    e.add_argument("--out", required=True)
-    e.add_argument("--engine", choices=["transformers", "sglang"], default="transformers")
-    e.add_argument("--urls", nargs="*", default=[], help="capture servers (sglang engine); none: start one")
-    e.add_argument("--layers", nargs="+", type=int, default=None, help="aux layers, input_of_layer convention")
-    e.add_argument("--max-samples", type=int, default=None)
-    e.add_argument("--max-tokens", type=int, default=2048)
-    e.add_argument("--storage", choices=["bf16", "fp8"], default="bf16")
-    e.add_argument("--concurrency", type=int, default=64)
-    e.add_argument("--world-size", type=int, default=1)
-    e.add_argument("--rank", type=int, default=0)
-    e.add_argument("--final-normed", action="store_true", help="also store the normed final state (SpecForge)")
-    e.add_argument("--prefill-graph", action="store_true",
-                   help="sglang engine: keep SGLang's prefill CUDA graph on and capture through its EAGLE-3 aux states "
-                        "(an SGLang plugin, installed with eagle3kit); the last slot is then the final norm's output")
-    e.add_argument("--regenerate", action="store_true",
-                   help="replace assistant turns with the target's own greedy replies first (kept for resumes)")
-    e.add_argument("--regenerate-max-new-tokens", type=int, default=256)
-    e.add_argument("--regenerate-minutes", type=float, default=None,
-                   help="time budget of --regenerate: no conversation starts after it, those regenerated are captured "
-                        "and the rest counted as skipped (a rerun with a larger budget adds them); 0: cached replies "
-                        "only; default: no budget")
-    e.add_argument("--regenerate-servers", type=int, default=1,
-                   help="engine sglang: servers writing the replies on the GPU, the capture server and plain servers "
-                        "on --port + 11, + 12, ... (one scheduler's CPU binds regeneration), each with --concurrency "
-                        "in flight")
-    e.add_argument("--seed", type=int, default=0, help="seed of the train/held-out split")
-    e.add_argument("--heldout-percent", type=float, default=5.0)
-    e.add_argument("--port", type=int, default=30000, help="port of the SGLang server started here")
-    e.add_argument("--reference-device", default="cpu", help="transformers engine: cpu or cuda")
-    e.add_argument("--reference-dtype", default="float32", help="transformers engine: float32 or bfloat16")
-    e.add_argument("--reference-batch-tokens", type=int, default=None, metavar="N",
-                   help="transformers engine: prompts of similar length in one padded forward of at most N tokens "
-                        "(0: one prompt per forward); default 16384 on cuda, 0 on cpu")
-    e.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
-                   help="SGLang flags for the server started here (sglang engine, no --urls); last on the line")
+    ExtractConfig.add_arguments(e)  # one option per setting, with its default and help
 
     v = sub.add_parser("verify", help="check an extracted data set (checksums, tokens, shapes, finiteness)")
     v.add_argument("out")

@@ -88,6 +88,37 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "params") ->
     return data
 
 
+def _step_settings():
+    """step -> the typed settings object its notebook builds from its parameters (of the same names)."""
+    from eagle3kit.extract_config import ExtractConfig
+
+    return {"03_extract": ExtractConfig}
+
+
+def check_step_settings(step: str, params: dict, declared: dict, source: str = "params") -> None:
+    """The step's own settings check (``ExtractConfig.validate`` for 03_extract) on the notebook's defaults with
+    ``params`` over them, before any step runs: a value the step would refuse stops the run now, not after the
+    steps before it have run."""
+    import ast
+
+    cls = _step_settings().get(step)
+    if cls is None:
+        return
+    settings = {}
+    for k in cls.names():
+        if k in params:
+            settings[k] = params[k]
+        elif k in declared:
+            try:
+                settings[k] = ast.literal_eval(str(declared[k].get("default")))
+            except (ValueError, SyntaxError):
+                pass  # a default the notebook computes: the class's own
+    try:
+        cls.from_dict(settings)
+    except ValueError as e:
+        raise ParamsError(f"{source}: {step}: {e}") from None
+
+
 def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None, source: str = "params",
             cli_common=()) -> Plan:
     """Check ``data`` against each notebook's declared parameters (papermill.inspect_notebook) and resolve.
@@ -137,6 +168,8 @@ def resolve(data: dict, declared: dict[str, dict], only: list[str] | None = None
                 raise ParamsError(f"{source}: {s}.{k} = {v!r} is a {type(v).__name__}, but notebook {s} declares"
                                   f" {k} as {want} (default {declared[s][k].get('default')})")
         checked[s] = params
+    for s in checked:
+        check_step_settings(s, checked[s], declared[s], source)
     per_step = {s: checked[s] for s in steps}
     return Plan(experiment=str(data.get("experiment") or "default"), steps=steps,
                 output_root=Path(data.get("output_root") or "outputs"), per_step=per_step)

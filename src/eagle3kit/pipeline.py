@@ -10,6 +10,7 @@ from pathlib import Path
 from eagle3kit.capture.reference import ReferenceEngine
 from eagle3kit.data.conversations import DataError
 from eagle3kit.extract import ReferenceBackend, SGLangBackend, extract, load_samples, settings_for
+from eagle3kit.extract_config import ExtractConfig
 from eagle3kit.layers import sglang_default_aux
 from eagle3kit.store import verify
 from eagle3kit.target import TargetInfo, resolve_target
@@ -23,13 +24,10 @@ def default_aux(num_layers: int) -> list[int]:
     return sglang_default_aux(num_layers)
 
 
-def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir="outputs/extract", engine="transformers",
-                   urls=(), aux_layer_ids=None, max_samples=None, max_tokens=2048, storage="bf16", concurrency=64,
-                   world_size=1, rank=0, final_normed=False, server_args=(), progress=True, seed=0,
-                   heldout_percent=5.0, regenerate=False, regenerate_max_new_tokens=256, reference_device="cpu",
-                   reference_dtype="float32", port=30000, regenerate_minutes=None, regenerate_servers=1,
-                   reference_batch_tokens=None, prefill_graph=False) -> dict:
-    """``regenerate_minutes``: with ``regenerate``, start no new conversation after that long and capture those
+def run_extraction(cfg: ExtractConfig | None = None, **kw) -> dict:
+    """Capture a data set with the settings ``cfg`` (an ``ExtractConfig``), or with keyword settings ``kw`` (its fields;
+    checked by ``ExtractConfig.from_dict``). Checked whole before anything is loaded or written.
+    ``regenerate_minutes``: with ``regenerate``, start no new conversation after that long and capture those
     regenerated (0: only the replies already cached in the folder); None: every conversation.
     ``regenerate_servers`` (engine sglang): servers that write the replies, the capture server and plain SGLang
     servers beside it on ports ``port`` + 11, + 12, ... (``data.regenerate.HelperServers``; stopped before the
@@ -37,101 +35,99 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
     per padded forward of prompts of similar length (0: one prompt per forward); None: 16384 on cuda, 0 on cpu.
     ``prefill_graph`` (engine sglang): capture with SGLang's prefill CUDA graph on (``capture.graph_plugin``); the
     last slot is then the final norm's output (recorded ``final_slot: post_norm``; the trainer's teacher honours it)."""
-    if prefill_graph and engine != "sglang":
-        raise ValueError("--prefill-graph is a capture option of the sglang engine (SGLang's prefill CUDA graph); "
-                         "the transformers engine has none. Fix: drop --prefill-graph or use --engine sglang")
-    if prefill_graph and final_normed:
-        raise ValueError("--final-normed with --prefill-graph: the last slot already is the final norm's output "
-                         "there. Fix: drop --final-normed")
-    if engine == "transformers":
+    if cfg is None:
+        cfg = ExtractConfig.from_dict(kw)
+    elif kw:
+        raise TypeError("run_extraction: give an ExtractConfig or keyword settings, not both")
+    else:
+        cfg.validate()
+    c = cfg
+    if c.engine == "transformers":
         from eagle3kit.target import check_device
 
-        check_device(str(reference_device), "--reference-device")
+        check_device(str(c.reference_device), "--reference-device")
+    reference_batch_tokens = c.reference_batch_tokens
     if reference_batch_tokens is None:
-        reference_batch_tokens = 16384 if str(reference_device).startswith("cuda") else 0
-    if reference_batch_tokens < 0:
-        raise ValueError(f"--reference-batch-tokens {reference_batch_tokens}: give 0 (one prompt per forward) or a "
-                         f"positive token budget per forward")
-    path = resolve_target(target)
+        reference_batch_tokens = 16384 if str(c.reference_device).startswith("cuda") else 0
+    path = resolve_target(c.target)
     info = TargetInfo.read(path)
-    if not urls:  # weights loaded here (the reference engine, or the SGLang server started here)
+    if not c.urls:  # weights loaded here (the reference engine, or the SGLang server started here)
         from eagle3kit.target import check_weight_files
 
         check_weight_files(path)
-    aux = list(aux_layer_ids) if aux_layer_ids else default_aux(info.num_layers)
-    check_extraction_settings(out_dir, aux, info.num_layers, max_samples, max_tokens, heldout_percent, concurrency,
-                              world_size, rank, regenerate_max_new_tokens, regenerate_minutes, regenerate_servers,
-                              helpers_here=engine == "sglang" and not urls)
+    aux = list(c.aux_layer_ids) if c.aux_layer_ids else default_aux(info.num_layers)
+    check_extraction_settings(c.out_dir, aux, info.num_layers)
     layer_ids = aux + [info.num_layers]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    settings = settings_for(path, info, layer_ids, storage, data, max_tokens, final_normed,
-                            "post_norm" if prefill_graph else "pre_norm")
-    settings["split"] = {"seed": seed, "heldout_percent": heldout_percent, "rule": SPLIT_RULE}
-    if regenerate:
-        settings["regenerated_max_new_tokens"] = regenerate_max_new_tokens
-    if engine == "transformers":
-        reference = ReferenceEngine(path, aux, final_normed=final_normed, dtype=reference_dtype,
-                                    device=reference_device)
-        backend = ReferenceBackend(reference, storage, batch_tokens=reference_batch_tokens)
-    elif engine == "sglang":
+    settings = settings_for(path, info, layer_ids, c.storage, c.data, c.max_tokens, c.final_normed,
+                            "post_norm" if c.prefill_graph else "pre_norm")
+    settings["split"] = {"seed": c.seed, "heldout_percent": c.heldout_percent, "rule": SPLIT_RULE}
+    if c.regenerate:
+        settings["regenerated_max_new_tokens"] = c.regenerate_max_new_tokens
+    if c.engine == "transformers":
+        reference = ReferenceEngine(path, aux, final_normed=c.final_normed, dtype=c.reference_dtype,
+                                    device=c.reference_device)
+        backend = ReferenceBackend(reference, c.storage, batch_tokens=reference_batch_tokens)
+    elif c.engine == "sglang":
         def start_server():
             from eagle3kit.capture.server import capture_server
 
-            s = capture_server(path, Path(out_dir) / "samples", aux, port=port, final_normed=final_normed,
-                               storage=storage, prefill_graph=prefill_graph,
-                               extra_args=server_args, log_path=Path(out_dir) / "sglang.log")
+            s = capture_server(path, Path(c.out_dir) / "samples", aux, port=c.port, final_normed=c.final_normed,
+                               storage=c.storage, prefill_graph=c.prefill_graph,
+                               extra_args=c.server_args, log_path=Path(c.out_dir) / "sglang.log")
             s.start().wait_healthy()
             return s
-        expect = dict(capture_dir=str(Path(out_dir) / "samples"), aux_layer_ids=aux, num_layers=info.num_layers,
-                      final_normed=bool(final_normed), storage=storage, prefill_graph=bool(prefill_graph))
-        backend = SGLangBackend(urls, concurrency, start_server=start_server, expect=expect)
+        expect = dict(capture_dir=str(Path(c.out_dir) / "samples"), aux_layer_ids=aux, num_layers=info.num_layers,
+                      final_normed=bool(c.final_normed), storage=c.storage, prefill_graph=bool(c.prefill_graph))
+        backend = SGLangBackend(c.urls, c.concurrency, start_server=start_server, expect=expect)
     else:
-        raise ValueError(f"engine {engine!r}: choose 'transformers' (CPU reference) or 'sglang' (GPU server)")
+        raise ValueError(f"engine {c.engine!r}: choose 'transformers' (CPU reference) or 'sglang' (GPU server)")
     generator, helpers = None, None
-    if regenerate:
+    if c.regenerate:
         from eagle3kit.data.regenerate import HelperServers, SGLangGenerator, TransformersGenerator
 
-        if engine == "transformers":
-            generator = TransformersGenerator(reference.tokenizer, reference.model, max_context=max_tokens)
+        if c.engine == "transformers":
+            generator = TransformersGenerator(reference.tokenizer, reference.model, max_context=c.max_tokens)
         else:
             def helper(i):
                 from eagle3kit.capture.server import SGLangServer
 
-                return SGLangServer(path, port=port + 11 + i, extra_args=server_args,
-                                    log_path=Path(out_dir) / f"sglang-regenerate-{i + 1}.log")
+                return SGLangServer(path, port=c.port + 11 + i, extra_args=c.server_args,
+                                    log_path=Path(c.out_dir) / f"sglang-regenerate-{i + 1}.log")
 
             def serving():  # the capture server generates too (its hook ignores these requests); started on need,
                 helpers.start()  # with the helpers' processes beside it (staggered)
                 backend.prepare()
                 return backend.urls
-            generator = SGLangGenerator(serving, tok, max_context=max_tokens)
-            helpers = HelperServers(regenerate_servers - 1, helper, generator.add_url)
-    with exclusive(out_dir):  # one extraction per folder at a time
+            generator = SGLangGenerator(serving, tok, max_context=c.max_tokens)
+            helpers = HelperServers(c.regenerate_servers - 1, helper, generator.add_url)
+    with exclusive(c.out_dir):  # one extraction per folder at a time
         t_data = time.time()
         try:
             samples, report = load_samples(
-                data, tok, max_samples, max_tokens, seed, heldout_percent, world_size, rank, regenerate_with=generator,
-                regenerate_max_new_tokens=regenerate_max_new_tokens,
-                regenerate_concurrency=1 if engine == "transformers" else concurrency * regenerate_servers,
-                regenerated_cache=Path(out_dir) / "regenerated.jsonl",
-                regenerate_seconds=None if regenerate_minutes is None else 60 * regenerate_minutes)
+                c.data, tok, c.max_samples, c.max_tokens, c.seed, c.heldout_percent, c.world_size, c.rank,
+                regenerate_with=generator,
+                regenerate_max_new_tokens=c.regenerate_max_new_tokens,
+                regenerate_concurrency=1 if c.engine == "transformers" else c.concurrency * c.regenerate_servers,
+                regenerated_cache=Path(c.out_dir) / "regenerated.jsonl",
+                regenerate_seconds=None if c.regenerate_minutes is None else 60 * c.regenerate_minutes)
             data_seconds = time.time() - t_data
             if helpers is not None:
                 helpers.stop()  # the GPU and the CPU back to the capture
             if not samples:
                 why = ", ".join(f"{v} {k}" for k, v in report.skipped.items()) or "none skipped"
-                raise DataError(f"--data {data}: nothing to capture ({report.records} records read, {report.kept} "
-                                f"usable conversations [{why}], none rendered within --max-tokens {max_tokens} for "
-                                f"shard {rank}/{world_size}). Fix: give conversations with a user turn and an "
+                raise DataError(f"--data {c.data}: nothing to capture ({report.records} records read, {report.kept} "
+                                f"usable conversations [{why}], none rendered within --max-tokens {c.max_tokens} for "
+                                f"shard {c.rank}/{c.world_size}). Fix: give conversations with a user turn and an "
                                 f"assistant reply")
-            summary = extract(samples, out_dir, backend, settings, progress=progress)
+            summary = extract(samples, c.out_dir, backend, settings, progress=c.progress)
         finally:
             if helpers is not None:
                 helpers.stop()
             backend.close()  # also when only regeneration used the server
-        rep = verify(out_dir)
+        rep = verify(c.out_dir)
         summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
                        data_records=report.records, data_kept=report.kept, data_skipped=dict(report.skipped),
                        data_skipped_total=sum(report.skipped.values()),
@@ -140,10 +136,10 @@ def run_extraction(target="embedded:smollm2", data="embedded:sharegpt", out_dir=
         if helpers is not None:
             summary.update(regenerate_servers_healthy=1 + len(helpers.healthy),
                            regenerate_helpers_failed=helpers.failed)
-        if prefill_graph and not urls:  # what SGLang really ran: it turns its prefill graph off for some models
-            summary.update(prefill_graph_report(Path(out_dir) / "sglang.log"))
+        if c.prefill_graph and not c.urls:  # what SGLang really ran: it turns its prefill graph off for some models
+            summary.update(prefill_graph_report(Path(c.out_dir) / "sglang.log"))
         summary["failures_list"] = summary.pop("failures")
-        write_run_metrics(out_dir, summary)
+        write_run_metrics(c.out_dir, summary)
     return summary
 
 
@@ -222,35 +218,18 @@ def exclusive(out_dir, kind: str = "extraction", orphan_wait_s: float = 30.0):
             out.rmdir()
 
 
-def check_extraction_settings(out_dir, aux, num_layers, max_samples, max_tokens, heldout_percent, concurrency=1,
-                              world_size=1, rank=0, regenerate_max_new_tokens=1, regenerate_minutes=None,
-                              regenerate_servers=1, helpers_here=True) -> None:
-    """Refuse settings that would make wrong or no data, before anything is loaded or written (so a refused run
-    leaves the folder as it was). Each error names the option and the fix."""
+def check_extraction_settings(out_dir, aux, num_layers) -> None:
+    """The settings checks that need the target (``ExtractConfig.validate`` has the others): the layer ids against
+    its depth, and the out folder. Run before anything is loaded or written (so a refused run leaves the folder as it
+    was). Each error names the option and the fix."""
     def need(ok, msg):
         if not ok:
             raise ValueError(msg)
-    need(max_tokens >= 2, f"--max-tokens {max_tokens}: a sample needs at least 2 tokens (give the longest sample to "
-                          f"keep, e.g. 2048)")
-    need(max_samples is None or max_samples >= 1, f"--max-samples {max_samples}: give a positive number (or omit it "
-                                                  f"for every conversation)")
     need(len(set(aux)) == len(aux) and list(aux) == sorted(aux),
          f"--layers {' '.join(map(str, aux))}: layer ids must be distinct and increasing (the slots are stored in "
          f"that order); fix: --layers {' '.join(map(str, sorted(set(aux))))}")
     need(all(1 <= k < num_layers for k in aux), f"--layers {' '.join(map(str, aux))}: in the input_of_layer "
                                                 f"convention ids run from 1 to {num_layers - 1} for this target")
-    need(0 <= heldout_percent < 100, f"--heldout-percent {heldout_percent}: a share in [0, 100)")
-    need(isinstance(regenerate_servers, int) and regenerate_servers >= 1,
-         f"--regenerate-servers {regenerate_servers}: give a whole number >= 1 (1: the capture server alone)")
-    need(regenerate_servers == 1 or helpers_here,
-         f"--regenerate-servers {regenerate_servers}: more regeneration servers start beside a capture server that "
-         f"eagle3kit starts (--engine sglang without --urls); with --urls, give more --urls instead")
-    need(concurrency >= 1 and regenerate_max_new_tokens >= 1,
-         f"--concurrency {concurrency} / --regenerate-max-new-tokens {regenerate_max_new_tokens}: give positive "
-         f"numbers")
-    need(regenerate_minutes is None or regenerate_minutes >= 0,
-         f"--regenerate-minutes {regenerate_minutes}: give minutes >= 0 (0: only replies already cached), or omit it")
-    need(world_size >= 1 and 0 <= rank < world_size, f"--rank {rank} --world-size {world_size}: rank in [0, world)")
     out = Path(out_dir)
     need(not out.exists() or out.is_dir(), f"--out {out} is a file; give a folder (it is created if missing)")
     probe = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))

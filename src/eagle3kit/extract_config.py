@@ -1,0 +1,156 @@
+"""The extraction's settings: one typed object, defined here once. ``eagle3kit extract`` builds its options from it
+(``add_arguments``/``from_args``), notebook 03 builds it from its parameters, the params check runs its checks
+before any step of a pipeline starts (``eagle3kit.runner``), and ``pipeline.run_extraction`` reads it."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+ENGINES = ("transformers", "sglang")
+STORAGES = ("bf16", "fp8")
+
+
+def _s(default, help: str, flag: str | None = None, **kw):
+    """A field with its command-line help (and its flag, when it is not ``--`` + the name with dashes)."""
+    meta = {"help": help, "flag": flag, **kw}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ExtractConfig:
+    target: str = _s("embedded:smollm2", "embedded:<name> or a Hugging Face model folder")
+    data: str = _s("embedded:sharegpt", "a JSONL/JSON file (OpenAI messages or ShareGPT conversations) or "
+                                        "embedded:sharegpt")
+    out_dir: str = _s("outputs/extract", "the data set's folder", flag="--out", required=True)
+    engine: str = _s("transformers", "transformers (CPU reference) or sglang (a GPU capture server)", choices=ENGINES)
+    urls: list = _s([], "capture servers (sglang engine); none: start one", nargs="*")
+    aux_layer_ids: list | None = _s(None, "aux layers, input_of_layer convention; none given: EAGLE-3's usual three",
+                                    flag="--layers", nargs="+", type=int)
+    max_samples: int | None = _s(None, "conversations to capture; none given: all")
+    max_tokens: int = _s(2048, "the longest sample kept (longer conversations are cut)")
+    storage: str = _s("bf16", "bf16 (speculators' layout) or fp8 (aux slots e4m3 + per-token scales, last slot bf16)",
+                      choices=STORAGES)
+    concurrency: int = _s(64, "capture requests in flight (sglang engine)")
+    world_size: int = _s(1, "shards of the data set (each its own --out)")
+    rank: int = _s(0, "this shard")
+    final_normed: bool = _s(False, "also store the normed final state (SpecForge)")
+    prefill_graph: bool = _s(False, "sglang engine: keep SGLang's prefill CUDA graph on and capture through its "
+                                    "EAGLE-3 aux states (an SGLang plugin, installed with eagle3kit); the last slot is "
+                                    "then the final norm's output")
+    regenerate: bool = _s(False, "replace assistant turns with the target's own greedy replies first (kept for "
+                                 "resumes)")
+    regenerate_max_new_tokens: int = _s(256, "longest reply the target writes")
+    regenerate_minutes: float | None = _s(None, "time budget of --regenerate: no conversation starts after it, those "
+                                                "regenerated are captured and the rest counted as skipped (a rerun "
+                                                "with a larger budget adds them); 0: cached replies only; default: no "
+                                                "budget")
+    regenerate_servers: int = _s(1, "engine sglang: servers writing the replies on the GPU, the capture server and "
+                                    "plain servers on --port + 11, + 12, ... (one scheduler's CPU binds "
+                                    "regeneration), each with --concurrency in flight")
+    seed: int = _s(0, "seed of the train/held-out split")
+    heldout_percent: float = _s(5.0, "share of conversations held out (by a seeded hash of their id)")
+    port: int = _s(30000, "port of the SGLang server started here")
+    reference_device: str = _s("cpu", "transformers engine: cpu or cuda")
+    reference_dtype: str = _s("float32", "transformers engine: float32 or bfloat16", choices=("float32", "bfloat16"))
+    reference_batch_tokens: int | None = _s(None, "transformers engine: prompts of similar length in one padded "
+                                                  "forward of at most N tokens (0: one prompt per forward); default "
+                                                  "16384 on cuda, 0 on cpu", metavar="N")
+    server_args: list = _s([], "SGLang flags for the server started here (sglang engine, no --urls); last on the "
+                               "line", nargs=argparse.REMAINDER)
+    progress: bool = _s(True, "a progress line while capturing", cli=False)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ExtractConfig":
+        """From settings as a notebook, params or a caller give them: unknown keys and wrong types are refused, naming
+        the key; then ``validate``."""
+        unknown = sorted(set(d) - set(cls.names()))
+        if unknown:
+            raise ValueError(f"unknown extraction settings {unknown}; known: {cls.names()}")
+        for f in fields(cls):
+            if f.name in d and not _fits(d[f.name], str(f.type)):
+                raise ValueError(f"extraction setting {f.name}={d[f.name]!r}: expected {f.type}")
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+        return cls(**d).validate()
+
+    def validate(self) -> "ExtractConfig":
+        """The checks that need no target (those that do, the layer ids against its depth, are
+        ``pipeline.check_extraction_settings``'): each names the option and the fix."""
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(msg)
+        need(self.engine in ENGINES, f"engine {self.engine!r}: choose 'transformers' (CPU reference) or 'sglang' "
+                                     f"(GPU server)")
+        need(self.storage in STORAGES, f"--storage {self.storage}: choose bf16 or fp8")
+        need(not (self.prefill_graph and self.engine != "sglang"),
+             "--prefill-graph is a capture option of the sglang engine (SGLang's prefill CUDA graph); the transformers "
+             "engine has none. Fix: drop --prefill-graph or use --engine sglang")
+        need(not (self.prefill_graph and self.final_normed),
+             "--final-normed with --prefill-graph: the last slot already is the final norm's output there. Fix: drop "
+             "--final-normed")
+        need(self.reference_batch_tokens is None or self.reference_batch_tokens >= 0,
+             f"--reference-batch-tokens {self.reference_batch_tokens}: give 0 (one prompt per forward) or a positive "
+             f"token budget per forward")
+        need(self.max_tokens >= 2, f"--max-tokens {self.max_tokens}: a sample needs at least 2 tokens (give the "
+                                   f"longest sample to keep, e.g. 2048)")
+        need(self.max_samples is None or self.max_samples >= 1,
+             f"--max-samples {self.max_samples}: give a positive number (or omit it for every conversation)")
+        need(0 <= self.heldout_percent < 100, f"--heldout-percent {self.heldout_percent}: a share in [0, 100)")
+        need(self.regenerate_servers >= 1,
+             f"--regenerate-servers {self.regenerate_servers}: give a whole number >= 1 (1: the capture server alone)")
+        need(self.regenerate_servers == 1 or (self.engine == "sglang" and not self.urls),
+             f"--regenerate-servers {self.regenerate_servers}: more regeneration servers start beside a capture "
+             f"server that eagle3kit starts (--engine sglang without --urls); with --urls, give more --urls instead")
+        need(self.concurrency >= 1 and self.regenerate_max_new_tokens >= 1,
+             f"--concurrency {self.concurrency} / --regenerate-max-new-tokens {self.regenerate_max_new_tokens}: give "
+             f"positive numbers")
+        need(self.regenerate_minutes is None or self.regenerate_minutes >= 0,
+             f"--regenerate-minutes {self.regenerate_minutes}: give minutes >= 0 (0: only replies already cached), "
+             f"or omit it")
+        need(self.world_size >= 1 and 0 <= self.rank < self.world_size,
+             f"--rank {self.rank} --world-size {self.world_size}: give 0 <= rank < world size")
+        return self
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """``eagle3kit extract``'s options, one per field (``progress`` excepted)."""
+        for f in fields(cls):
+            m = dict(f.metadata)
+            if not m.pop("cli", True):
+                continue
+            flag = m.pop("flag", None) or "--" + f.name.replace("_", "-")
+            kw = {k: v for k, v in m.items() if v is not None}
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            if str(f.type) == "bool":
+                parser.add_argument(flag, dest=f.name, action="store_true", help=kw["help"])
+                continue
+            kw.setdefault("metavar", None if "choices" in kw else flag.lstrip("-").upper().replace("-", "_"))
+            if kw["metavar"] is None:
+                kw.pop("metavar")
+            if "type" not in kw and "nargs" not in kw:
+                kw["type"] = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+            if not kw.get("required"):
+                kw["default"] = default
+            parser.add_argument(flag, dest=f.name, **kw)
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> "ExtractConfig":
+        return cls.from_dict({k: getattr(a, k) for k in cls.names() if hasattr(a, k)})
+
+
+def _fits(value, annotation: str) -> bool:
+    """Does ``value`` (as YAML, JSON or argparse gave it) fit a field annotated ``annotation``? (ints fit floats)"""
+    kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list": (list, tuple)}
+    for part in annotation.split("|"):
+        part = part.strip()
+        if part == "None" and value is None:
+            return True
+        ok = kinds.get(part)
+        if ok and isinstance(value, ok) and (part == "bool" or not isinstance(value, bool)):
+            return True
+    return False
