@@ -414,6 +414,40 @@ def test_fit_schedule_fits_again_when_the_pace_slows(small_dataset, tmp_path, mo
     assert spent + (first_plan - first_at) * slow > 60 * budget  # the first plan would have been cut by the budget
 
 
+@pytest.mark.parametrize("fit", [False, True])
+def test_max_minutes_bounds_the_whole_call_setup_and_the_closing_work_included(small_dataset, tmp_path, monkeypatch, fit):
+    """max_minutes bounds the wall time of the call: a setup of 10 s and evaluations of 4 s each (a simulated clock)
+    come out of the budget, and the stop leaves room for its own evaluation, save and export. Counted from the end of
+    setup, as it was, the same run took 0.3 min + 10 s + the closing evaluation: 36 % over a 0.5-min budget."""
+    import eagle3kit.drafter.train as T
+
+    clock = _stepped_clock(monkeypatch, lambda step: 1.0)
+    real_setup, real_eval = T.setup, T.evaluate
+
+    def slow_setup(*a, **k):
+        r = real_setup(*a, **k)
+        for _ in range(10_000):  # 10 s of readings
+            clock()
+        return r
+
+    def slow_eval(*a, **k):
+        for _ in range(2_000):  # 2 s of readings per evaluation (each do_eval runs two: held-out and validation)
+            clock()
+        return real_eval(*a, **k)
+
+    monkeypatch.setattr(T, "setup", slow_setup)
+    monkeypatch.setattr(T, "evaluate", slow_eval)
+    monkeypatch.setattr(T, "FIT_AFTER", 2)  # fit_schedule looks at the pace early enough for this short budget
+    budget = 0.5
+    t0 = clock()
+    s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=budget,
+                          eval_every=6, fit_schedule=fit, **TINY))
+    took = clock() - t0
+    assert s["train_steps"] >= 6 and s["train_wall_seconds"] <= took <= 60 * budget, (took, s["train_steps"])
+    assert s["train_stopped_early"] != fit and s["train_setup_seconds"] >= 10 and s["train_eval_seconds"] >= 8
+    assert took > 60 * budget - 12  # and it used the budget (a stop far too early would pass the bound)
+
+
 def test_resume_with_other_settings_is_refused(small_dataset, trained_drafter, tmp_path):
     out = tmp_path / "r"
     shutil.copytree(trained_drafter[0], out)  # a run of 4 epochs

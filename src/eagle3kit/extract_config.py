@@ -4,6 +4,7 @@ before any step of a pipeline starts (``eagle3kit.runner``), and ``pipeline.run_
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 
 ENGINES = ("transformers", "sglang")
@@ -72,6 +73,7 @@ class ExtractConfig:
         unknown = sorted(set(d) - set(cls.names()))
         if unknown:
             raise ValueError(f"unknown extraction settings {unknown}; known: {cls.names()}")
+        d = {k: (os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in d.items()}  # folders given as Paths
         for f in fields(cls):
             if f.name in d and not _fits(d[f.name], str(f.type)):
                 raise ValueError(f"extraction setting {f.name}={d[f.name]!r}: expected {f.type}")

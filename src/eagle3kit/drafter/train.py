@@ -111,7 +111,8 @@ class TrainConfig:
     compile_layers: bool = False  # torch.compile each draft decoder layer (fused kernels, fewer launches: the H200's
     # step was bound by the host's ~1,700 launches a step); falls back to eager, and says so, if its trial step fails
     progress: bool = True
-    max_minutes: float = 0.0  # wall-clock budget of this invocation; 0: none (stops after an evaluation and a save)
+    max_minutes: float = 0.0  # wall-clock budget of this invocation, setup and the closing evaluation, save and
+    # export included (the stop comes early enough for them, as long as they last as they did before); 0: none
     fit_schedule: bool = False  # with max_minutes: after FIT_AFTER steps, cut the planned steps to what fits in the
     # budget (measured pace, evaluations included) so warmup + cosine end in time instead of stopping at a high lr
     live: dict | None = None  # live training (``live.config.LiveConfig``): ``data`` names conversations, captured
@@ -611,6 +612,13 @@ def _replan(sched, state: dict, total: int) -> None:
     sched.step()  # LambdaLR: lr = base x factor(last_epoch), factor reading state["total_steps"]
 
 
+def _eval_due(cfg: TrainConfig, step: int, steps_per_epoch: int, total_steps: int) -> bool:
+    """Is an evaluation due after optimizer step ``step`` (every eval_every steps, else each epoch's end; the last)?"""
+    if cfg.eval_every:
+        return step % cfg.eval_every == 0 or step == total_steps
+    return step % steps_per_epoch == 0 or step == total_steps
+
+
 def _fitted_steps(cfg: TrainConfig, state: dict, seconds_so_far: float, pace: float, eval_seconds: float,
                   steps_per_epoch: int) -> int:
     """The planned total cut to what fits in max_minutes at ``pace`` (seconds per step; never longer than planned)."""
@@ -765,6 +773,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
         atomic_save({"model": trainable_state(run.model), "optimizer": opt.state_dict(),
                       "scheduler": sched.state_dict(), "rng": rng_state(run.device), "state": state}, ckpt)
         spent["save"] += _now() - t0
+        last["save"] = _now() - t0
 
     if dist.rank == 0:  # a killed run's torn last line would join the resumed run's first row
         for name in ("train_log.jsonl", "evals.jsonl"):
@@ -790,17 +799,20 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
         if state["step"] > 0 and (tau is None or tau > state["best_tau"]) and dist.rank == 0:
             state["best_tau"] = state["best_tau"] if tau is None else tau
             state["best"] = row
+            t_export = _now()
             export(run, out / "best", extra={"step": state["step"], "heldout": m})
+            last["export"] = _now() - t_export  # the final export takes as long
         spent["eval"] += _now() - t0
+        last["eval"] = _now() - t0
         return m
 
     setup_seconds = _now() - t_call
+    last = {"eval": 0.0, "save": 0.0, "export": 0.0}  # the latest of each: what the budget keeps back for the stop
     if state["step"] == 0 and not ckpt.exists():
         state["initial"] = do_eval()  # the untrained drafter: what "held-out loss fell" is measured against
         state["eval_seconds"] = spent["eval"]  # fit_schedule's cost of one evaluation, kept for a resume
     eval_seconds = state.get("eval_seconds", spent["eval"])
     run.model.train()
-    t_start = _now()
     fit_from = state["step"] + 1 if cfg.fit_schedule and not state.get("fitted") else None  # pace timed from here
     fit_at, t_fit = (fit_from + FIT_AFTER if fit_from is not None else None), None
     # fitted again a third of the way through the plan, or sooner when a third of the time left has passed (a pace
@@ -846,7 +858,11 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                 torch.cuda.synchronize(run.device)
             dt = _now() - t0
             overdue = refit_at is not None and _now() - t_refit > refit_after_s
-            out_of_time = bool(cfg.max_minutes) and _now() - t_start > 60 * cfg.max_minutes
+            # the budget counts from the call (setup included) and keeps back what must still run: the next step,
+            # an evaluation due now, and the stop's own evaluation, save and export, each as long as the last one
+            due = _eval_due(cfg, state["step"] + 1, steps_per_epoch, total_steps)
+            out_of_time = bool(cfg.max_minutes) and _now() - t_call + dt + last["eval"] * (1 + due) + last["save"] \
+                + last["export"] > 60 * cfg.max_minutes
             if dist.world > 1:  # every rank decides at the same step, whichever rank's clock called it: the flags
                 # travel with the row counts (a rank that looked or stopped alone would enter a collective the
                 # others do not: a hang)
@@ -872,7 +888,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                 t_fit = _now()
             look = refit_at is not None and (state["step"] == refit_at or overdue)  # the same step on every rank
             if state["step"] == fit_at:
-                fitted = _fitted_steps(cfg, state, _now() - t_start, (_now() - t_fit) / FIT_AFTER,
+                fitted = _fitted_steps(cfg, state, _now() - t_call, (_now() - t_fit) / FIT_AFTER,
                                        eval_seconds, steps_per_epoch)
                 dist_fitted = int(dist.all_min(torch.tensor([fitted], device=run.device)).item())  # in time on
                 # every rank's clock
@@ -885,7 +901,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                 # the data: 0.22 s a step, then 0.34 s, seen in a CPU test run) would end the run before the cosine
                 # does; the pace since the last fit, evaluations left out (counted apart), can only shorten the plan
                 pace = (_now() - t_refit - (spent["eval"] - eval_at_fit)) / (state["step"] - last_fit)
-                refit = min(total_steps, _fitted_steps(cfg, state, _now() - t_start, pace, eval_seconds,
+                refit = min(total_steps, _fitted_steps(cfg, state, _now() - t_call, pace, eval_seconds,
                                                        steps_per_epoch))
                 refit = int(dist.all_min(torch.tensor([refit], device=run.device)).item())
                 if refit < total_steps:
@@ -898,13 +914,11 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                 if total_steps - state["step"] >= 2 * FIT_AFTER:
                     refit_at = state["step"] + (total_steps - state["step"]) // 3
                     t_refit, eval_at_fit, last_fit = _now(), spent["eval"], state["step"]
-                    refit_after_s = (60 * cfg.max_minutes * 0.95 - (t_refit - t_start)) / 3
+                    refit_after_s = (60 * cfg.max_minutes * 0.95 - (t_refit - t_call)) / 3
                 if bar is not None:
                     bar.total = total_steps
                     bar.refresh()
-            end_of_epoch = state["step"] % steps_per_epoch == 0
-            if (cfg.eval_every and state["step"] % cfg.eval_every == 0) or (not cfg.eval_every and end_of_epoch) \
-                    or state["step"] == total_steps:
+            if _eval_due(cfg, state["step"], steps_per_epoch, total_steps):
                 do_eval()
             if out_of_time and state["step"] < total_steps:  # the budget, as of this step's end (before its eval)
                 state["stopped_early"] = True
