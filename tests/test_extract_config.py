@@ -85,3 +85,13 @@ def test_the_params_check_runs_the_steps_settings_check_before_any_step(tmp_path
         plan_run(ROOT / "params" / "demo.yaml", ROOT / "notebooks", overrides=["03_extract.prefill_graph=true"])
     for p in sorted((ROOT / "params").glob("*.yaml")):
         plan_run(p, ROOT / "notebooks")
+
+
+def test_the_docs_table_is_the_objects_own():
+    """docs/settings.md carries the table made from the fields: a setting added, renamed or re-described without the
+    docs fails here."""
+    from eagle3kit.extract_config import settings_table
+
+    table = settings_table()
+    assert table in (ROOT / "docs" / "settings.md").read_text()
+    assert all(f"| `{name}` |" in table for name in ExtractConfig.names())

@@ -145,6 +145,17 @@ class ExtractConfig:
         return cls.from_dict({k: getattr(a, k) for k in cls.names() if hasattr(a, k)})
 
 
+def settings_table() -> str:
+    """docs/settings.md's extraction table, made from the fields (tests/test_extract_config.py keeps the file equal)."""
+    rows = ["| setting | `eagle3kit extract` | default | what it sets |", "|---|---|---|---|"]
+    for f in fields(ExtractConfig):
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        cli = f"`{flag}`" if f.metadata.get("cli", True) else "(Python and notebook only)"
+        rows.append(f"| `{f.name}` | {cli} | `{default!r}` | {f.metadata['help'].replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
 def _fits(value, annotation: str) -> bool:
     """Does ``value`` (as YAML, JSON or argparse gave it) fit a field annotated ``annotation``? (ints fit floats)"""
     kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list": (list, tuple)}
