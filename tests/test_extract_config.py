@@ -44,6 +44,13 @@ def test_every_setting_is_an_option_with_the_settings_default():
     ({"rank": 2, "world_size": 2}, "--rank 2 --world-size 2"),
     ({"regenerate_servers": 2, "engine": "sglang", "urls": ["http://a:1"]}, "with --urls, give more --urls"),
     ({"max_tokens": 1}, "--max-tokens 1: a sample needs at least 2 tokens"),
+    ({"engine": "vllm"}, "engine 'vllm': choose 'transformers' (CPU reference) or 'sglang'"),
+    ({"reference_batch_tokens": -1}, "--reference-batch-tokens -1: give 0"),
+    ({"regenerate_minutes": -1}, "--regenerate-minutes -1: give minutes >= 0"),
+    ({"concurrency": 0}, "--concurrency 0 / --regenerate-max-new-tokens 256: give positive numbers"),
+    ({"max_samples": 0}, "--max-samples 0: give a positive number"),
+    ({"regenerate_servers": 0}, "--regenerate-servers 0: give a whole number >= 1"),
+    ({"urls": "http://a:1"}, "urls='http://a:1': expected list"),
 ])
 def test_a_bad_setting_is_refused_naming_it(settings, words):
     with pytest.raises(ValueError) as e:

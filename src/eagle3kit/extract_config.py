@@ -7,6 +7,8 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
+from eagle3kit.setting_types import fits
+
 ENGINES = ("transformers", "sglang")
 STORAGES = ("bf16", "fp8")
 
@@ -73,11 +75,12 @@ class ExtractConfig:
         unknown = sorted(set(d) - set(cls.names()))
         if unknown:
             raise ValueError(f"unknown extraction settings {unknown}; known: {cls.names()}")
-        d = {k: (os.fspath(v) if isinstance(v, os.PathLike) else v) for k, v in d.items()}  # folders given as Paths
+        # folders given as Paths, lists as tuples: the same settings
+        d = {k: os.fspath(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
+             for k, v in d.items()}
         for f in fields(cls):
-            if f.name in d and not _fits(d[f.name], str(f.type)):
+            if f.name in d and not fits(d[f.name], f.type):
                 raise ValueError(f"extraction setting {f.name}={d[f.name]!r}: expected {f.type}")
-        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
         return cls(**d).validate()
 
     def validate(self) -> "ExtractConfig":
@@ -131,9 +134,8 @@ class ExtractConfig:
             if str(f.type) == "bool":
                 parser.add_argument(flag, dest=f.name, action="store_true", help=kw["help"])
                 continue
-            kw.setdefault("metavar", None if "choices" in kw else flag.lstrip("-").upper().replace("-", "_"))
-            if kw["metavar"] is None:
-                kw.pop("metavar")
+            if "choices" not in kw:  # argparse shows the choices themselves
+                kw.setdefault("metavar", flag.lstrip("-").upper().replace("-", "_"))
             if "type" not in kw and "nargs" not in kw:
                 kw["type"] = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
             if not kw.get("required"):
@@ -154,16 +156,3 @@ def settings_table() -> str:
         cli = f"`{flag}`" if f.metadata.get("cli", True) else "(Python and notebook only)"
         rows.append(f"| `{f.name}` | {cli} | `{default!r}` | {f.metadata['help'].replace('|', '/')} |")
     return "\n".join(rows) + "\n"
-
-
-def _fits(value, annotation: str) -> bool:
-    """Does ``value`` (as YAML, JSON or argparse gave it) fit a field annotated ``annotation``? (ints fit floats)"""
-    kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list": (list, tuple)}
-    for part in annotation.split("|"):
-        part = part.strip()
-        if part == "None" and value is None:
-            return True
-        ok = kinds.get(part)
-        if ok and isinstance(value, ok) and (part == "bool" or not isinstance(value, bool)):
-            return True
-    return False

@@ -41,93 +41,90 @@ def run_extraction(cfg: ExtractConfig | None = None, **kw) -> dict:
         raise TypeError("run_extraction: give an ExtractConfig or keyword settings, not both")
     else:
         cfg.validate()
-    c = cfg
-    if c.engine == "transformers":
+    if cfg.engine == "transformers":
         from eagle3kit.target import check_device
 
-        check_device(str(c.reference_device), "--reference-device")
-    reference_batch_tokens = c.reference_batch_tokens
+        check_device(str(cfg.reference_device), "--reference-device")
+    reference_batch_tokens = cfg.reference_batch_tokens
     if reference_batch_tokens is None:
-        reference_batch_tokens = 16384 if str(c.reference_device).startswith("cuda") else 0
-    path = resolve_target(c.target)
+        reference_batch_tokens = 16384 if str(cfg.reference_device).startswith("cuda") else 0
+    path = resolve_target(cfg.target)
     info = TargetInfo.read(path)
-    if not c.urls:  # weights loaded here (the reference engine, or the SGLang server started here)
+    if not cfg.urls:  # weights loaded here (the reference engine, or the SGLang server started here)
         from eagle3kit.target import check_weight_files
 
         check_weight_files(path)
-    aux = list(c.aux_layer_ids) if c.aux_layer_ids else default_aux(info.num_layers)
-    check_extraction_settings(c.out_dir, aux, info.num_layers)
+    aux = list(cfg.aux_layer_ids) if cfg.aux_layer_ids else default_aux(info.num_layers)
+    check_extraction_settings(cfg.out_dir, aux, info.num_layers)
     layer_ids = aux + [info.num_layers]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    settings = settings_for(path, info, layer_ids, c.storage, c.data, c.max_tokens, c.final_normed,
-                            "post_norm" if c.prefill_graph else "pre_norm")
-    settings["split"] = {"seed": c.seed, "heldout_percent": c.heldout_percent, "rule": SPLIT_RULE}
-    if c.regenerate:
-        settings["regenerated_max_new_tokens"] = c.regenerate_max_new_tokens
-    if c.engine == "transformers":
-        reference = ReferenceEngine(path, aux, final_normed=c.final_normed, dtype=c.reference_dtype,
-                                    device=c.reference_device)
-        backend = ReferenceBackend(reference, c.storage, batch_tokens=reference_batch_tokens)
-    elif c.engine == "sglang":
+    settings = settings_for(path, info, layer_ids, cfg.storage, cfg.data, cfg.max_tokens, cfg.final_normed,
+                            "post_norm" if cfg.prefill_graph else "pre_norm")
+    settings["split"] = {"seed": cfg.seed, "heldout_percent": cfg.heldout_percent, "rule": SPLIT_RULE}
+    if cfg.regenerate:
+        settings["regenerated_max_new_tokens"] = cfg.regenerate_max_new_tokens
+    if cfg.engine == "transformers":
+        reference = ReferenceEngine(path, aux, final_normed=cfg.final_normed, dtype=cfg.reference_dtype,
+                                    device=cfg.reference_device)
+        backend = ReferenceBackend(reference, cfg.storage, batch_tokens=reference_batch_tokens)
+    else:  # sglang (ExtractConfig.validate admits no other engine)
         def start_server():
             from eagle3kit.capture.server import capture_server
 
-            s = capture_server(path, Path(c.out_dir) / "samples", aux, port=c.port, final_normed=c.final_normed,
-                               storage=c.storage, prefill_graph=c.prefill_graph,
-                               extra_args=c.server_args, log_path=Path(c.out_dir) / "sglang.log")
+            s = capture_server(path, Path(cfg.out_dir) / "samples", aux, port=cfg.port, final_normed=cfg.final_normed,
+                               storage=cfg.storage, prefill_graph=cfg.prefill_graph,
+                               extra_args=cfg.server_args, log_path=Path(cfg.out_dir) / "sglang.log")
             s.start().wait_healthy()
             return s
-        expect = dict(capture_dir=str(Path(c.out_dir) / "samples"), aux_layer_ids=aux, num_layers=info.num_layers,
-                      final_normed=bool(c.final_normed), storage=c.storage, prefill_graph=bool(c.prefill_graph))
-        backend = SGLangBackend(c.urls, c.concurrency, start_server=start_server, expect=expect)
-    else:
-        raise ValueError(f"engine {c.engine!r}: choose 'transformers' (CPU reference) or 'sglang' (GPU server)")
+        expect = dict(capture_dir=str(Path(cfg.out_dir) / "samples"), aux_layer_ids=aux, num_layers=info.num_layers,
+                      final_normed=bool(cfg.final_normed), storage=cfg.storage, prefill_graph=bool(cfg.prefill_graph))
+        backend = SGLangBackend(cfg.urls, cfg.concurrency, start_server=start_server, expect=expect)
     generator, helpers = None, None
-    if c.regenerate:
+    if cfg.regenerate:
         from eagle3kit.data.regenerate import HelperServers, SGLangGenerator, TransformersGenerator
 
-        if c.engine == "transformers":
-            generator = TransformersGenerator(reference.tokenizer, reference.model, max_context=c.max_tokens)
+        if cfg.engine == "transformers":
+            generator = TransformersGenerator(reference.tokenizer, reference.model, max_context=cfg.max_tokens)
         else:
             def helper(i):
                 from eagle3kit.capture.server import SGLangServer
 
-                return SGLangServer(path, port=c.port + 11 + i, extra_args=c.server_args,
-                                    log_path=Path(c.out_dir) / f"sglang-regenerate-{i + 1}.log")
+                return SGLangServer(path, port=cfg.port + 11 + i, extra_args=cfg.server_args,
+                                    log_path=Path(cfg.out_dir) / f"sglang-regenerate-{i + 1}.log")
 
             def serving():  # the capture server generates too (its hook ignores these requests); started on need,
                 helpers.start()  # with the helpers' processes beside it (staggered)
                 backend.prepare()
                 return backend.urls
-            generator = SGLangGenerator(serving, tok, max_context=c.max_tokens)
-            helpers = HelperServers(c.regenerate_servers - 1, helper, generator.add_url)
-    with exclusive(c.out_dir):  # one extraction per folder at a time
+            generator = SGLangGenerator(serving, tok, max_context=cfg.max_tokens)
+            helpers = HelperServers(cfg.regenerate_servers - 1, helper, generator.add_url)
+    with exclusive(cfg.out_dir):  # one extraction per folder at a time
         t_data = time.time()
         try:
             samples, report = load_samples(
-                c.data, tok, c.max_samples, c.max_tokens, c.seed, c.heldout_percent, c.world_size, c.rank,
+                cfg.data, tok, cfg.max_samples, cfg.max_tokens, cfg.seed, cfg.heldout_percent, cfg.world_size, cfg.rank,
                 regenerate_with=generator,
-                regenerate_max_new_tokens=c.regenerate_max_new_tokens,
-                regenerate_concurrency=1 if c.engine == "transformers" else c.concurrency * c.regenerate_servers,
-                regenerated_cache=Path(c.out_dir) / "regenerated.jsonl",
-                regenerate_seconds=None if c.regenerate_minutes is None else 60 * c.regenerate_minutes)
+                regenerate_max_new_tokens=cfg.regenerate_max_new_tokens,
+                regenerate_concurrency=1 if cfg.engine == "transformers" else cfg.concurrency * cfg.regenerate_servers,
+                regenerated_cache=Path(cfg.out_dir) / "regenerated.jsonl",
+                regenerate_seconds=None if cfg.regenerate_minutes is None else 60 * cfg.regenerate_minutes)
             data_seconds = time.time() - t_data
             if helpers is not None:
                 helpers.stop()  # the GPU and the CPU back to the capture
             if not samples:
                 why = ", ".join(f"{v} {k}" for k, v in report.skipped.items()) or "none skipped"
-                raise DataError(f"--data {c.data}: nothing to capture ({report.records} records read, {report.kept} "
-                                f"usable conversations [{why}], none rendered within --max-tokens {c.max_tokens} for "
-                                f"shard {c.rank}/{c.world_size}). Fix: give conversations with a user turn and an "
+                raise DataError(f"--data {cfg.data}: nothing to capture ({report.records} records read, {report.kept} "
+                                f"usable conversations [{why}], none rendered within --max-tokens {cfg.max_tokens} for "
+                                f"shard {cfg.rank}/{cfg.world_size}). Fix: give conversations with a user turn and an "
                                 f"assistant reply")
-            summary = extract(samples, c.out_dir, backend, settings, progress=c.progress)
+            summary = extract(samples, cfg.out_dir, backend, settings, progress=cfg.progress)
         finally:
             if helpers is not None:
                 helpers.stop()
             backend.close()  # also when only regeneration used the server
-        rep = verify(c.out_dir)
+        rep = verify(cfg.out_dir)
         summary.update(verify_checked=rep.checked, verify_ok=rep.ok, verify_problems=len(rep.problems),
                        data_records=report.records, data_kept=report.kept, data_skipped=dict(report.skipped),
                        data_skipped_total=sum(report.skipped.values()),
@@ -136,10 +133,10 @@ def run_extraction(cfg: ExtractConfig | None = None, **kw) -> dict:
         if helpers is not None:
             summary.update(regenerate_servers_healthy=1 + len(helpers.healthy),
                            regenerate_helpers_failed=helpers.failed)
-        if c.prefill_graph and not c.urls:  # what SGLang really ran: it turns its prefill graph off for some models
-            summary.update(prefill_graph_report(Path(c.out_dir) / "sglang.log"))
+        if cfg.prefill_graph and not cfg.urls:  # what SGLang really ran: it turns its prefill graph off for some models
+            summary.update(prefill_graph_report(Path(cfg.out_dir) / "sglang.log"))
         summary["failures_list"] = summary.pop("failures")
-        write_run_metrics(c.out_dir, summary)
+        write_run_metrics(cfg.out_dir, summary)
     return summary
 
 

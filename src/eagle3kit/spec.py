@@ -193,7 +193,7 @@ def check_capture(cap: dict, ids, ref: dict, layer_ids, bounds: dict, b16=None, 
 
 
 def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, rank: int = 0,
-                         refs: dict | None = None, b16=None, errs: dict | None = None) -> list[dict]:
+                         refs: dict | None = None, b16=None) -> list[dict]:
     """One row per (request, slot): the capture against the reference engine's state (``check_states``);
     ``refs``: reference tensors already computed per key (``calibrate_bounds``); those computed here are added to
     it (leave it None to keep none: a load test's references are GBs). ``b16``: a ``bf16_engine``: each prompt's
@@ -205,7 +205,7 @@ def compare_to_reference(capture_dir, prompts: dict, reference, bounds: dict, ra
         if refs is not None:
             refs[key] = ref
         for r in check_capture(cap, ids, ref, meta["layer_ids"], bounds, b16,
-                               meta.get("final_slot", "pre_norm") == "post_norm", (errs or {}).get(key)):
+                               meta.get("final_slot", "pre_norm") == "post_norm"):
             rows.append({"key": key, "n_tokens": len(ids), **r})
     return rows
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3kit.setting_types import fits
 from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
 from eagle3kit.drafter.checkpoint import atomic_save, load_checkpoint, rng_state, set_rng
@@ -45,21 +46,6 @@ COMPILE_BACKEND = "inductor"  # of compile_layers (tests on a CPU use "aot_eager
 
 class TrainError(ValueError):
     pass
-
-
-def _fits(value, annotation: str) -> bool:
-    """Does ``value`` (as YAML or JSON gave it) fit a TrainConfig field annotated ``annotation``? (ints fit floats)"""
-    kinds = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "list[int]": (list,),
-             "dict": (dict,)}
-    for part in str(annotation).split("|"):
-        part = part.strip()
-        if part == "None" and value is None:
-            return True
-        ok = kinds.get(part)
-        if ok and isinstance(value, ok) and (part == "bool" or not isinstance(value, bool)) and \
-                (part != "list[int]" or all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-            return True
-    return False
 
 
 @dataclass
@@ -200,7 +186,7 @@ class TrainConfig:
                     d[f.name] = float(d[f.name])
                 except ValueError:
                     pass
-            if f.name in d and not _fits(d[f.name], f.type):
+            if f.name in d and not fits(d[f.name], f.type):
                 raise TrainError(f"train setting {f.name}={d[f.name]!r}: expected {f.type}")
         return cls(**d).validate()
 
