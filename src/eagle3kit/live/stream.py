@@ -113,6 +113,7 @@ class LiveStream:
         self.max_attempts, self.status_every = max_attempts, status_every
         self.owns_dir = owns_dir  # made for this run (not running servers' folder): removed at close
         self._lock = threading.Lock()
+        self._reap_lock = threading.Lock()  # one reader of the consumed file at a time (producer, or schedule)
         self._epoch, self._order, self._pos = 0, [], 0
         self._retry: collections.deque = collections.deque()
         self._out: dict[str, dict] = {}  # key -> {i, bytes, attempts, state: asked | buffered}
@@ -174,7 +175,9 @@ class LiveStream:
 
     def schedule(self, epoch: int, order: list[int]) -> None:
         """``order``: positions in ``source.samples`` this rank reads in ``epoch``, in reading order. An earlier
-        epoch handed over before is complete: what it had asked and not handed out is dropped."""
+        epoch handed over before is complete: what it had asked and not handed out is dropped. What the trainer took
+        so far is read first, so the new epoch's asks see every sample the epoch cache holds."""
+        self._reap()
         with self._lock:
             for e in list(self._expected):
                 if e < epoch:
@@ -319,6 +322,10 @@ class LiveStream:
 
     def _reap(self) -> None:
         """What the trainer took (``consumed.rank<r>.jsonl``) and rejected (``rejects/``) since the last look."""
+        with self._reap_lock:
+            self._reap_locked()
+
+    def _reap_locked(self) -> None:
         path = self.dir / CONSUMED.format(rank=self.source.rank)
         try:
             with open(path, "rb") as f:
