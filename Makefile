@@ -9,11 +9,11 @@ setup:
 demo: setup
 	.venv/bin/eagle3kit run $(PARAMS)
 
-# Two workers on the 2-core machine (tests that share a fixed resource carry an xdist_group mark: loadgroup keeps each
-# group on one worker); the 15 slowest tests are printed at the end (addopts)
+# Two workers on the 2-core machine, each given whole test modules in the order conftest sets (longest first), so a
+# module's fixtures are made once; the 15 slowest tests are printed at the end (addopts)
 PYTEST_WORKERS ?= 2
 test: setup
-	.venv/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lab: setup
 	.venv/bin/jupyter lab notebooks/

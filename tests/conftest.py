@@ -1,4 +1,6 @@
+import fcntl
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -19,13 +21,17 @@ def _gpu_ready() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    # the slow tests (a minute or more each) start first, the longest (``slow(minutes)``) before the others: xdist's
-    # loadgroup hands tests out one at a time in this order, so the two workers share the long ones and finish
-    # together instead of one ending with them
+    # make test hands whole modules to its xdist workers (--dist loadfile), so a module-scoped fixture is made once;
+    # the modules go longest first (the sum of their tests' ``slow(minutes)``; other tests count 3 s), so the two
+    # workers share the long ones and end together. Within a module the collection order stays (its fixtures made
+    # once on one worker, also without xdist).
     def minutes(item):
         m = item.get_closest_marker("slow")
-        return (m.args[0] if m.args else 1) if m else 0
-    items.sort(key=minutes, reverse=True)
+        return (m.args[0] if m.args else 1) if m else 0.05
+    weight = {}
+    for item in items:
+        weight[item.path] = weight.get(item.path, 0) + minutes(item)
+    items.sort(key=lambda item: -weight[item.path])
     if _gpu_ready():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and SGLang (run on the GPU machine: scripts/gpu_record.sh tests)")
@@ -59,6 +65,22 @@ def fill_disk(filler: Path, leave: int = 0) -> None:
                 f.flush()
         except OSError:
             pass
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """The folder ``name`` that ``make(folder)`` fills, made once for the whole run: under xdist the first worker to
+    ask makes it (in the run's base folder, which the workers share) and the others wait for it, instead of each
+    worker making its own copy of a session fixture. Tests read it; one that changes it copies it first."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -101,10 +123,10 @@ def small_dataset(target_path, tmp_path_factory):
     with the final norm's output stored too (for the post-norm experiment)."""
     from eagle3kit.pipeline import run_extraction
 
-    out = tmp_path_factory.mktemp("small") / "data"
-    run_extraction(target=str(target_path), out_dir=out, engine="transformers", max_samples=24, max_tokens=192,
-                   heldout_percent=25, final_normed=True, progress=False)
-    return out
+    def make(folder):
+        run_extraction(target=str(target_path), out_dir=folder / "data", engine="transformers", max_samples=24,
+                       max_tokens=192, heldout_percent=25, final_normed=True, progress=False)
+    return made_once(tmp_path_factory, "small", make) / "data"
 
 
 @pytest.fixture(scope="session")
@@ -114,12 +136,12 @@ def trial_inputs(tmp_path_factory):
     from eagle3kit.cli import main
     from eagle3kit.trial import SMALL, TINY_TRAIN, _files
 
-    root = tmp_path_factory.mktemp("trial-inputs")
-    (root / "good.json").write_text(_files()["good.json"])
-    assert main(["extract", "--data", str(root / "good.json"), "--out", str(root / "ds"), "--heldout-percent", "34",
-                 *SMALL]) == 0
-    assert main(["train", "--data", str(root / "ds"), "--out", str(root / "tr"), *TINY_TRAIN]) == 0
-    return root
+    def make(root):
+        (root / "good.json").write_text(_files()["good.json"])
+        assert main(["extract", "--data", str(root / "good.json"), "--out", str(root / "ds"), "--heldout-percent",
+                     "34", *SMALL]) == 0
+        assert main(["train", "--data", str(root / "ds"), "--out", str(root / "tr"), *TINY_TRAIN]) == 0
+    return made_once(tmp_path_factory, "trial-inputs", make)
 
 
 # the drafter settings of the CPU training tests: one layer, a 512-token draft vocabulary, 2 TTT steps, 256-token batches
@@ -133,5 +155,8 @@ def trained_drafter(small_dataset, tmp_path_factory):
     ``(run folder, summary)``. Copy the folder before training into it again."""
     from eagle3kit.drafter.train import TrainConfig, train
 
-    out = tmp_path_factory.mktemp("drafter") / "run"
-    return out, train(TrainConfig(data=str(small_dataset), out_dir=str(out), epochs=4, **TINY_DRAFTER))
+    def make(folder):
+        s = train(TrainConfig(data=str(small_dataset), out_dir=str(folder / "run"), epochs=4, **TINY_DRAFTER))
+        (folder / "summary.json").write_text(json.dumps(s))
+    folder = made_once(tmp_path_factory, "drafter", make)
+    return folder / "run", json.loads((folder / "summary.json").read_text())

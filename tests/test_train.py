@@ -1,12 +1,9 @@
-"""Drafter training on real captured data (CPU): exact resume after a real kill, two gloo ranks = one rank with the
-same global batch, the final-slot check, refusals, and the export loaded back."""
+"""Drafter training on real captured data (CPU): exact resume after a real kill, the final-slot check, time budgets,
+refusals, and the export loaded back (the DDP tests are in test_train_ddp.py)."""
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,30 +12,8 @@ import torch
 
 from eagle3kit.drafter import data as D
 from eagle3kit.drafter.train import TrainConfig, TrainError, train
-from tests.conftest import ROOT
 from tests.conftest import TINY_DRAFTER as TINY
-
-
-def _free_port() -> int:
-    """A port no one listens on now: parallel test workers each run their torchrun on its own."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cli(data, out, extra=(), torchrun=0):
-    sets = [a for k, v in {**TINY, **dict(extra)}.items() for a in ("--set", f"{k}={json.dumps(v)}")]
-    head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port",
-            str(_free_port()), "-m", "eagle3kit.cli"] if torchrun else [sys.executable, "-m", "eagle3kit.cli"]
-    return [*head, "train", "--data", str(data), "--out", str(out), *sets]
-
-
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-
-
-def _weights(out):
-    return torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"]
+from tests.training_runs import cli, env, weights
 
 
 def _stepped_clock(monkeypatch, step_seconds):
@@ -64,13 +39,25 @@ def _stepped_clock(monkeypatch, step_seconds):
     return clock
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread in this process, as in the CLI processes of these tests (OMP_NUM_THREADS=1): the same sums
+    in the same order, so their weights can be equal bit for bit."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.mark.slow
-def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
+def test_interrupted_run_resumes_exactly(small_dataset, tmp_path, capsys, one_thread):
+    """A training killed (SIGKILL, its own process) after a checkpoint, with a log row torn, then the same training
+    again: it resumes and ends with the weights of a training never interrupted (this process runs the whole one and
+    the resumed one, the killed one runs the CLI; one thread in each, as bitwise equality needs)."""
     extra = {"max_steps": 14, "save_every": 2, "eval_every": 7}
-    whole = tmp_path / "whole"
-    subprocess.run(_cli(small_dataset, whole, extra), check=True, env=_env(), capture_output=True, timeout=900)
-    cut = tmp_path / "cut"
-    p = subprocess.Popen(_cli(small_dataset, cut, extra), env=_env(), stdout=subprocess.DEVNULL,
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(TrainConfig(data=str(small_dataset), out_dir=str(whole), **{**TINY, **extra}))
+    p = subprocess.Popen(cli(small_dataset, cut, extra), env=env(), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     ckpt, killed_at = cut / "checkpoints" / "last.pt", None
     deadline = time.time() + 600
@@ -86,10 +73,10 @@ def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
     assert killed_at is not None and killed_at < 14 and not (cut / "metrics.json").exists(), "not interrupted"
     with open(cut / "train_log.jsonl", "a") as f:  # what a kill in the middle of a log row leaves
         f.write('{"step": 99, "lo')
-    r = subprocess.run(_cli(small_dataset, cut, extra), env=_env(), capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "resumed from" in r.stdout
-    a, b = _weights(whole), _weights(cut)
+    capsys.readouterr()
+    train(TrainConfig(data=str(small_dataset), out_dir=str(cut), **{**TINY, **extra}))
+    assert "resumed from" in capsys.readouterr().out
+    a, b = weights(whole), weights(cut)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -97,142 +84,6 @@ def test_interrupted_run_resumes_exactly(small_dataset, tmp_path):
     assert m["train_steps"] == 14
     rows = [json.loads(x) for x in (cut / "train_log.jsonl").read_text().splitlines()]  # the torn row was cut
     assert rows[-1]["step"] == 14 and 99 not in [r["step"] for r in rows]
-
-
-@pytest.mark.slow
-def test_two_gloo_ranks_equal_one_rank_with_the_same_global_batch(small_dataset, tmp_path):
-    extra = {"max_steps": 6, "save_every": 6}
-    one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run(_cli(small_dataset, one, {**extra, "grad_accum": 2}), check=True, env=_env(), capture_output=True,
-                   timeout=900)
-    r = subprocess.run(_cli(small_dataset, two, {**extra, "grad_accum": 1}, torchrun=2), env=_env(),
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    a, b = _weights(one), _weights(two)
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), (k, (a[k] - b[k]).abs().max())
-    moved = max((a[k] - b[k]).abs().max().item() for k in a)
-    start = json.loads((one / "metrics.json").read_text())
-    assert start["train_steps"] == 6 and json.loads((two / "metrics.json").read_text())["train_tokens_seen"] == \
-        start["train_tokens_seen"], "both runs must see the same global batches"
-    assert moved < 1e-4
-
-
-@pytest.mark.slow
-def test_two_gloo_ranks_resume_exactly_after_a_kill(small_dataset, tmp_path):
-    """Exact resume under DDP: two gloo ranks killed (SIGKILL to torchrun's whole group) after a checkpoint, then
-    resumed, end with the weights of an uninterrupted two-rank run (each rank's data position, the optimizer and the
-    schedule come back; a rank resuming elsewhere in its shard would train on other batches)."""
-    extra = {"max_steps": 12, "save_every": 2, "eval_every": 6, "grad_accum": 1}
-    whole, cut = tmp_path / "whole2", tmp_path / "cut2"
-    r = subprocess.run(_cli(small_dataset, whole, extra, torchrun=2), env=_env(), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    p = subprocess.Popen(_cli(small_dataset, cut, extra, torchrun=2), env=_env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
-    ckpt, killed_at = cut / "checkpoints" / "last.pt", None
-    deadline = time.time() + 600
-    while time.time() < deadline and p.poll() is None:
-        if ckpt.exists():
-            try:
-                step = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]
-            except Exception:  # being replaced at this moment
-                step = 0
-            if step >= 4:  # the machine dies: torchrun and its workers, each worker in a session of its own
-                workers = [int(x) for x in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
-                for pid in [p.pid, *workers]:
-                    os.kill(pid, signal.SIGKILL)
-                killed_at = step
-                break
-        time.sleep(0.05)
-    p.wait()
-    for pid in workers if killed_at is not None else []:
-        while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]:
-            time.sleep(0.05)  # gone (or a zombie until init reaps it)
-    left = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]  # what the kill left on disk
-    assert killed_at is not None and left < 12 and not (cut / "metrics.json").exists(), "not interrupted"
-    r = subprocess.run(_cli(small_dataset, cut, extra, torchrun=2), env=_env(), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed from {ckpt} at step {left} of 12" in r.stdout
-    a, b = _weights(whole), _weights(cut)
-    for k in a:
-        assert torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max())
-    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (whole, cut))
-    assert ma["train_steps"] == mb["train_steps"] == 12 and ma["train_tokens_seen"] == mb["train_tokens_seen"]
-
-
-def test_a_second_training_into_the_same_folder_is_refused(small_dataset, tmp_path):
-    """Two trainings writing one out_dir would interleave checkpoints and logs (torchrun's orphaned workers did, while
-    the run was resumed: a checkpoint renamed from under the other). While one holds the folder another is refused
-    at once, naming the holder, on one rank and on every rank under DDP (none left waiting in a collective); the
-    folder's contents stay as they were; once it is released, training there works."""
-    from eagle3kit.pipeline import exclusive
-
-    out = tmp_path / "busy"
-    train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    with exclusive(out, "training"):
-        with pytest.raises(TrainError, match=f"another training is writing there \\(pid {os.getpid()}"):
-            train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))
-        r = subprocess.run(_cli(small_dataset, out, {"max_steps": 2}, torchrun=2), env=_env(), capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode != 0 and "another training is writing there" in r.stdout + r.stderr
-    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    assert after == before
-    s = train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))  # the same run, resumed
-    assert s["train_steps"] == 2 and not (out / ".lock").exists()
-
-
-@pytest.mark.slow
-def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
-    """fit_schedule and max_minutes under DDP: every look at the pace (a third of the plan's steps, or a third of the
-    time left, whichever comes first) and the budget's stop happen at the same step on every rank, whichever rank's
-    clock called them, and the plan is the one that ends in time on every rank's clock (the least). Rank 1's steps
-    take 3x as long on its clock from the first fit on (its pace seems to slow; rank 0's does not): a rank that looked alone
-    would enter a collective the other does not (the flags unsynced: a hang, caught by the timeout). Both end
-    together, at the minimum lr, in time by either clock. The first fit after 3 steps, not 20: a plan of 59 steps left
-    no later look (stopped at 37), and the stretch after the last look (under 2 x FIT_AFTER steps) must fit in the
-    plan's 5 % of slack on rank 1's clock. With so many looks an averaged plan also ends in time (it did stop at 24 of
-    42 steps with the first fit after 5): the least is kept because it is in time by construction."""
-    out = tmp_path / "fit2"
-    wrapper = tmp_path / "fast_clock_rank1.py"
-    wrapper.write_text("import os, sys\n"
-                       "import eagle3kit.drafter.train as T\n"
-                       # a simulated clock: 0.5 s an optimizer step (1 ms a reading), 1.5 s on rank 1 after its first
-                       # fit, so the budget runs out after a few real steps at the pace set, whatever the load
-                       "now, switched, fit, forward = [0.0], [], T._fitted_steps, T.forward_batch\n"
-                       "def step(run, module, batch, ttt, with_loss=True, walk=None):\n"
-                       "    if with_loss:\n"
-                       "        now[0] += 1.5 if switched else 0.5\n"
-                       "    return forward(run, module, batch, ttt, with_loss, walk)\n"
-                       "def clock():\n"
-                       "    now[0] += 1e-3\n"
-                       "    return now[0]\n"
-                       "def fitted(*a):\n"
-                       "    if os.environ.get('RANK') == '1' and not switched:\n"
-                       "        switched.append(True)\n"
-                       "    return fit(*a)\n"
-                       "T._now, T.forward_batch, T._fitted_steps = clock, step, fitted\n"
-                       "T.FIT_AFTER = 3\n"  # later looks need 2 x FIT_AFTER steps left: a loaded machine's short plan
-                       "from eagle3kit.cli import main\n"
-                       "sys.exit(main(sys.argv[1:]))\n")
-    extra = {"epochs": 500, "max_minutes": 0.3, "eval_every": 100000, "fit_schedule": True, "save_every": 100000}
-    cmd = _cli(small_dataset, out, extra, torchrun=2)
-    cmd[cmd.index("-m", 3):cmd.index("eagle3kit.cli") + 1] = [str(wrapper)]  # torchrun runs the wrapper
-    try:
-        r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, start_new_session=True)
-    except subprocess.TimeoutExpired:
-        subprocess.run(["pkill", "-9", "-f", str(wrapper)])
-        raise AssertionError("the ranks hung: one entered a collective the other did not") from None
-    assert r.returncode == 0, r.stderr[-3000:]
-    m = json.loads((out / "metrics.json").read_text())
-    assert 0 < m["train_steps"] == m["train_total_steps_fitted"] < m["train_total_steps_planned"], m
-    assert not m["train_stopped_early"]
-    rows = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == m["train_steps"]
-    assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio, rel=1e-6)
-    assert "fit_schedule:" in r.stdout
 
 
 def test_training_learns_and_exports_what_was_trained(small_dataset, trained_drafter, tmp_path):
@@ -631,7 +482,7 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
 
     def run(name, **kw):
         s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / name), **TINY, **{**extra, **kw}))
-        return s, _weights(tmp_path / name)
+        return s, weights(tmp_path / name)
 
     try:
         eager, w_eager = run("eager")
@@ -786,19 +637,6 @@ def test_training_mends_found_by_an_audit(small_dataset, tmp_path):
     with pytest.raises(TrainError, match="2 packed rows per optimizer step.*this run takes 1"):
         train(TrainConfig(data=str(no_heldout), out_dir=str(tmp_path / "best-latest"), max_steps=4, eval_every=2,
                           **TINY))
-
-
-def test_each_rank_trains_on_its_own_gpu():
-    """Under torchrun, device=cuda means each rank's own GPU (NCCL refuses two ranks on one: "Duplicate GPU"), and one
-    GPU index for every rank is refused naming the fix; a single process keeps the device it was given."""
-    from eagle3kit.drafter.train import Dist, _device
-
-    assert _device(TrainConfig(data="d", out_dir="o", device="cuda"), Dist(1, 2, 1)) == torch.device("cuda", 1)
-    assert _device(TrainConfig(data="d", out_dir="o", device="cuda"), Dist(3, 4, 1)) == torch.device("cuda", 1)
-    assert _device(TrainConfig(data="d", out_dir="o", device="cuda:2"), Dist()) == torch.device("cuda", 2)
-    assert _device(TrainConfig(data="d", out_dir="o", device="cpu"), Dist(1, 2, 1)) == torch.device("cpu")
-    with pytest.raises(TrainError, match="every rank would train on GPU 0.*device=cuda or auto"):
-        _device(TrainConfig(data="d", out_dir="o", device="cuda:0"), Dist(1, 2, 1))
 
 
 def test_a_plan_cut_to_the_next_step_ends_that_step_at_the_minimum_lr(small_dataset, tmp_path, monkeypatch):

@@ -1,11 +1,10 @@
-"""The bad-input trial (#12) through the real command line: every case of ``eagle3kit.trial.CASES`` (data files,
+"""The bad-input trial (#12) through the command line's code (``cli.main`` in this process; the cases that need a
+process of their own run in one): every case of ``eagle3kit.trial.CASES`` (data files,
 options, targets, resumes, data sets, training settings, drafters, doctor, params) is refused naming the input, or
 counted and reported, with no traceback and nothing written where a refused run may not write. The trial's own
 negative controls: a good command, a message that does not name the input, a refused run that wrote, a traceback,
 a user's file deleted and a corrected command that fails are each judged a failure."""
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -14,11 +13,10 @@ from eagle3kit.trial import CASES, Case, judge, run_case
 
 
 @pytest.mark.slow
-def test_every_bad_input_is_refused_or_counted(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "trial", "--folder", str(tmp_path / "trial")],
-                       capture_output=True, text=True, timeout=3000)
+def test_every_bad_input_is_refused_or_counted(tmp_path, capsys):
+    rc = main(["trial", "--folder", str(tmp_path / "trial")])  # the command line's code, in this process
     m = json.loads((tmp_path / "trial" / "metrics.json").read_text())
-    assert r.returncode == 0 and m["bad_inputs_unhandled"] == [], r.stdout[-4000:] + r.stderr[-2000:]
+    assert rc == 0 and m["bad_inputs_unhandled"] == [], capsys.readouterr().out[-4000:]
     assert m["bad_inputs_tried"] == len(CASES) >= 60 and m["bad_inputs_handled"] == len(CASES)
     rows = [json.loads(line) for line in (tmp_path / "trial" / "trial.jsonl").read_text().splitlines()]
     assert len(rows) == len(CASES) and all(r["ok"] for r in rows)

@@ -293,9 +293,10 @@ CASES = [
 ]
 
 
-def prepare(folder: Path, python: str = sys.executable, force: bool = False) -> dict:
+def prepare(folder: Path, force: bool = False, *, main) -> dict:
     """The trial's inputs in ``folder``; returns how long each real one took to make (seconds). ``folder`` must be
-    new, empty or an earlier trial's (``folders.claim``; ``force``: any folder, emptied)."""
+    new, empty or an earlier trial's (``folders.claim``; ``force``: any folder, emptied). The data set and the drafter
+    are made by ``main`` in this process (``in_process``), as the cases run."""
     from eagle3kit.folders import claim, mark
 
     claim(folder, "trial", force)  # raises before anything is deleted: a user's files stay
@@ -326,9 +327,9 @@ def prepare(folder: Path, python: str = sys.executable, force: bool = False) -> 
                             ("drafter", ["train", "--data", "ds", "--out", "tr", *TINY_TRAIN], "tr")):
         if not (folder / out).exists():
             t0 = time.time()
-            r = subprocess.run([python, "-m", "eagle3kit.cli", *argv], cwd=folder, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"the trial's {what} could not be made: {r.stderr[-2000:]}")
+            rc, out = in_process(argv, folder, main)
+            if rc != 0:
+                raise RuntimeError(f"the trial's {what} could not be made: {out[-2000:]}")
             took[what] = round(time.time() - t0, 1)
     _broken_copies(folder)
     mark(folder, "trial")
@@ -483,7 +484,7 @@ def run_trial(folder, cases=None, python: str = sys.executable, log=print, force
 
     folder = Path(folder)
     t0 = time.time()
-    took = prepare(folder, python, force)
+    took = prepare(folder, force, main=main)
     rows = []
     with open(folder / "trial.jsonl", "w") as f:
         for case in cases or CASES:
