@@ -5,64 +5,57 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
-from eagle3kit.setting_types import fits
+from eagle3kit.setting_types import fits, setting
+from eagle3kit.setting_types import settings_table as setting_table  # this module's settings_table is the docs'
 
 ENGINES = ("transformers", "sglang")
 STORAGES = ("bf16", "fp8")
 
 
-def _s(default, help: str, flag: str | None = None, **kw):
-    """A field with its command-line help (and its flag, when it is not ``--`` + the name with dashes)."""
-    meta = {"help": help, "flag": flag, **kw}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 @dataclass
 class ExtractConfig:
-    target: str = _s("embedded:smollm2", "embedded:<name> or a Hugging Face model folder")
-    data: str = _s("embedded:sharegpt", "a JSONL/JSON file (OpenAI messages or ShareGPT conversations) or "
+    target: str = setting("embedded:smollm2", "embedded:<name> or a Hugging Face model folder")
+    data: str = setting("embedded:sharegpt", "a JSONL/JSON file (OpenAI messages or ShareGPT conversations) or "
                                         "embedded:sharegpt")
-    out_dir: str = _s("outputs/extract", "the data set's folder", flag="--out", required=True)
-    engine: str = _s("transformers", "transformers (CPU reference) or sglang (a GPU capture server)", choices=ENGINES)
-    urls: list = _s([], "capture servers (sglang engine); none: start one", nargs="*")
-    aux_layer_ids: list | None = _s(None, "aux layers, input_of_layer convention; none given: EAGLE-3's usual three",
+    out_dir: str = setting("outputs/extract", "the data set's folder", flag="--out", required=True)
+    engine: str = setting("transformers", "transformers (CPU reference) or sglang (a GPU capture server)", choices=ENGINES)
+    urls: list = setting([], "capture servers (sglang engine); none: start one", nargs="*")
+    aux_layer_ids: list | None = setting(None, "aux layers, input_of_layer convention; none given: EAGLE-3's usual three",
                                     flag="--layers", nargs="+", type=int)
-    max_samples: int | None = _s(None, "conversations to capture; none given: all")
-    max_tokens: int = _s(2048, "the longest sample kept (longer conversations are cut)")
-    storage: str = _s("bf16", "bf16 (speculators' layout) or fp8 (aux slots e4m3 + per-token scales, last slot bf16)",
+    max_samples: int | None = setting(None, "conversations to capture; none given: all")
+    max_tokens: int = setting(2048, "the longest sample kept (longer conversations are cut)")
+    storage: str = setting("bf16", "bf16 (speculators' layout) or fp8 (aux slots e4m3 + per-token scales, last slot bf16)",
                       choices=STORAGES)
-    concurrency: int = _s(64, "capture requests in flight (sglang engine)")
-    world_size: int = _s(1, "shards of the data set (each its own --out)")
-    rank: int = _s(0, "this shard")
-    final_normed: bool = _s(False, "also store the normed final state (SpecForge)")
-    prefill_graph: bool = _s(False, "sglang engine: keep SGLang's prefill CUDA graph on and capture through its "
+    concurrency: int = setting(64, "capture requests in flight (sglang engine)")
+    world_size: int = setting(1, "shards of the data set (each its own --out)")
+    rank: int = setting(0, "this shard")
+    final_normed: bool = setting(False, "also store the normed final state (SpecForge)")
+    prefill_graph: bool = setting(False, "sglang engine: keep SGLang's prefill CUDA graph on and capture through its "
                                     "EAGLE-3 aux states (an SGLang plugin, installed with eagle3kit); the last slot is "
                                     "then the final norm's output")
-    regenerate: bool = _s(False, "replace assistant turns with the target's own greedy replies first (kept for "
+    regenerate: bool = setting(False, "replace assistant turns with the target's own greedy replies first (kept for "
                                  "resumes)")
-    regenerate_max_new_tokens: int = _s(256, "longest reply the target writes")
-    regenerate_minutes: float | None = _s(None, "time budget of --regenerate: no conversation starts after it, those "
+    regenerate_max_new_tokens: int = setting(256, "longest reply the target writes")
+    regenerate_minutes: float | None = setting(None, "time budget of --regenerate: no conversation starts after it, those "
                                                 "regenerated are captured and the rest counted as skipped (a rerun "
                                                 "with a larger budget adds them); 0: cached replies only; default: no "
                                                 "budget")
-    regenerate_servers: int = _s(1, "engine sglang: servers writing the replies on the GPU, the capture server and "
+    regenerate_servers: int = setting(1, "engine sglang: servers writing the replies on the GPU, the capture server and "
                                     "plain servers on --port + 11, + 12, ... (one scheduler's CPU binds "
                                     "regeneration), each with --concurrency in flight")
-    seed: int = _s(0, "seed of the train/held-out split")
-    heldout_percent: float = _s(5.0, "share of conversations held out (by a seeded hash of their id)")
-    port: int = _s(30000, "port of the SGLang server started here")
-    reference_device: str = _s("cpu", "transformers engine: cpu or cuda")
-    reference_dtype: str = _s("float32", "transformers engine: float32 or bfloat16", choices=("float32", "bfloat16"))
-    reference_batch_tokens: int | None = _s(None, "transformers engine: prompts of similar length in one padded "
+    seed: int = setting(0, "seed of the train/held-out split")
+    heldout_percent: float = setting(5.0, "share of conversations held out (by a seeded hash of their id)")
+    port: int = setting(30000, "port of the SGLang server started here")
+    reference_device: str = setting("cpu", "transformers engine: cpu or cuda")
+    reference_dtype: str = setting("float32", "transformers engine: float32 or bfloat16", choices=("float32", "bfloat16"))
+    reference_batch_tokens: int | None = setting(None, "transformers engine: prompts of similar length in one padded "
                                                   "forward of at most N tokens (0: one prompt per forward); default "
                                                   "16384 on cuda, 0 on cpu", metavar="N")
-    server_args: list = _s([], "SGLang flags for the server started here (sglang engine, no --urls); last on the "
+    server_args: list = setting([], "SGLang flags for the server started here (sglang engine, no --urls); last on the "
                                "line", nargs=argparse.REMAINDER)
-    progress: bool = _s(True, "a progress line while capturing", cli=False)
+    progress: bool = setting(True, "a progress line while capturing", cli=False)
 
     @classmethod
     def names(cls) -> list[str]:
@@ -149,10 +142,5 @@ class ExtractConfig:
 
 def settings_table() -> str:
     """docs/settings.md's extraction table, made from the fields (tests/test_extract_config.py keeps the file equal)."""
-    rows = ["| setting | `eagle3kit extract` | default | what it sets |", "|---|---|---|---|"]
-    for f in fields(ExtractConfig):
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-        default = f.default_factory() if callable(f.default_factory) else f.default
-        cli = f"`{flag}`" if f.metadata.get("cli", True) else "(Python and notebook only)"
-        rows.append(f"| `{f.name}` | {cli} | `{default!r}` | {f.metadata['help'].replace('|', '/')} |")
-    return "\n".join(rows) + "\n"
+    return setting_table(ExtractConfig, "eagle3kit extract", lambda f: None if not f.metadata.get("cli", True)
+                         else f.metadata.get("flag") or "--" + f.name.replace("_", "-"))

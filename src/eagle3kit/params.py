@@ -89,32 +89,34 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "params") ->
 
 
 def _step_settings():
-    """step -> the typed settings object its notebook builds from its parameters (of the same names)."""
+    """step -> how its notebook builds its typed settings object from its parameters (the values it was given over
+    its defaults), checked whole; raises ValueError naming the setting."""
+    from eagle3kit.drafter.train_config import from_notebook
     from eagle3kit.extract_config import ExtractConfig
 
-    return {"03_extract": ExtractConfig}
+    return {"03_extract": lambda p: ExtractConfig.from_dict({k: v for k, v in p.items() if k in ExtractConfig.names()}),
+            # data and out_dir as the notebook resolves its empty ones (a folder of the run, made by then)
+            "04_train": lambda p: from_notebook(p, data=p.get("data") or "embedded:sharegpt",
+                                                out_dir=p.get("out_dir") or "<the step's folder>/drafter")}
 
 
 def check_step_settings(step: str, params: dict, declared: dict, source: str = "params") -> None:
-    """The step's own settings check (``ExtractConfig.validate`` for 03_extract) on the notebook's defaults with
-    ``params`` over them, before any step runs: a value the step would refuse stops the run now, not after the
-    steps before it have run."""
+    """The step's own settings check (``ExtractConfig`` for 03_extract, ``TrainConfig`` for 04_train) on the
+    notebook's defaults with ``params`` over them, before any step runs: a value the step would refuse stops the run
+    now, not after the steps before it have run."""
     import ast
 
-    cls = _step_settings().get(step)
-    if cls is None:
+    build = _step_settings().get(step)
+    if build is None:
         return
     settings = {}
-    for k in cls.names():
-        if k in params:
-            settings[k] = params[k]
-        elif k in declared:
-            try:
-                settings[k] = ast.literal_eval(str(declared[k].get("default")))
-            except (ValueError, SyntaxError):
-                pass  # a default the notebook computes: the class's own
+    for k, d in declared.items():
+        try:
+            settings[k] = ast.literal_eval(str(d.get("default")))
+        except (ValueError, SyntaxError):
+            pass  # a default the notebook computes: the settings object's own
     try:
-        cls.from_dict(settings)
+        build({**settings, **params})
     except ValueError as e:
         raise ParamsError(f"{source}: {step}: {e}") from None
 

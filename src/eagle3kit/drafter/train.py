@@ -24,171 +24,24 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from eagle3kit.setting_types import fits
 from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
 from eagle3kit.drafter.checkpoint import atomic_save, load_checkpoint, rng_state, set_rng
 from eagle3kit.drafter.export import to_sglang
-from eagle3kit.drafter.objective import (LOSSES, ChainCounts, chain_count_tensor, serving_walk, step_loss, teacher,
+from eagle3kit.drafter.objective import (ChainCounts, chain_count_tensor, serving_walk, step_loss, teacher,
                                          valid_rows)
+from eagle3kit.drafter.train_config import TrainConfig, TrainError
 from eagle3kit.store import cut_torn_tail
 
 # settings that may differ on a resume (out_dir: a run folder moved or renamed resumes)
 RESUMABLE_CHANGES = {"progress", "workers", "save_every", "device", "attention", "eval_every", "max_minutes", "out_dir",
                      "compile_layers"}
 COMPILE_BACKEND = "inductor"  # of compile_layers (tests on a CPU use "aot_eager": the same graphs, no code generation)
-
-
-class TrainError(ValueError):
-    pass
-
-
-@dataclass
-class TrainConfig:
-    data: str  # eagle3kit data set (train split) or speculators export
-    out_dir: str
-    heldout: str | None = None  # None: the data set's held-out split
-    target: str | None = None  # None: the target the data set was captured from
-    aux_layer_ids: list[int] | None = None  # input_of_layer; only for sources that do not record them
-    draft_vocab_size: int = 32000
-    num_layers: int = 1
-    ttt_steps: int = 7
-    step_decay: float = 0.8  # weight of TTT step k: step_decay ** k (speculators 1.0, SpecForge/EAGLE 0.8)
-    loss: str = "ce_masked"  # ce_masked (SpecForge/EAGLE) or kl (speculators)
-    lm_head: str = "trained"  # trained (SpecForge/EAGLE) or frozen to the target's rows (speculators)
-    drafter: str = "llama"  # llama (SGLang's LlamaForCausalLMEagle3) or mla (Eagle3DeepseekV2ForCausalLM, drafter/mla.py)
-    eagle31: bool = False  # EAGLE-3.1: fc_norm and norm_output both on
-    fc_norm: bool = False
-    norm_output: bool = False
-    # drafter=mla: the MLA geometry; None takes the target's own (an MLA target), required otherwise
-    mla_num_attention_heads: int | None = None
-    mla_q_lora_rank: int | None = None
-    mla_kv_lora_rank: int | None = None
-    mla_qk_nope_head_dim: int | None = None
-    mla_qk_rope_head_dim: int | None = None
-    mla_v_head_dim: int | None = None
-    allow_post_norm_final: bool = False  # only to reproduce the mistake on purpose (acceptance experiment)
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.02
-    min_lr_ratio: float = 0.05
-    grad_clip: float = 0.5  # the gradients' global norm is clipped to this; 0: not clipped (the norm is still logged)
-    epochs: int = 1
-    max_steps: int = 0  # 0: the epochs decide
-    tokens_per_batch: int = 8192  # rows per packed row (samples packed; a longer one is cut)
-    rows_per_batch: int = 1  # packed rows per micro-batch, run as one batch (>1: each padded to tokens_per_batch;
-    # one forward for all, attention stays within a row)
-    grad_accum: int = 1
-    seed: int = 0
-    eval_every: int = 0  # optimizer steps; 0: at the end of each epoch
-    eval_steps: int = 0  # chain depth evaluated; 0: ttt_steps
-    serving_steps: int = 3  # the best checkpoint is chosen by validation tau at this depth
-    val_percent: float = 5.0  # of the train split's samples (seeded, by position), never trained on: they choose the
-    # best checkpoint, so the held-out split's tau reports a choice it took no part in; 0: best/ is the latest
-    save_every: int = 100
-    workers: int = 2
-    device: str = "auto"
-    attention: str = "auto"  # sdpa (dense masks), flex (block-sparse, compiled: GPUs) or auto (flex on a GPU)
-    compile_layers: bool = False  # torch.compile each draft decoder layer (fused kernels, fewer launches: the H200's
-    # step was bound by the host's ~1,700 launches a step); falls back to eager, and says so, if its trial step fails
-    progress: bool = True
-    max_minutes: float = 0.0  # wall-clock budget of this invocation, setup and the closing evaluation, save and
-    # export included (the stop comes early enough for them, as long as they last as they did before); 0: none
-    fit_schedule: bool = False  # with max_minutes: after FIT_AFTER steps, cut the planned steps to what fits in the
-    # budget (measured pace, evaluations included) so warmup + cosine end in time instead of stopping at a high lr
-    live: dict | None = None  # live training (``live.config.LiveConfig``): ``data`` names conversations, captured
-    # while training through the stream; None: ``data`` is a captured data set on disk
-
-    def validate(self) -> "TrainConfig":
-        def need(ok, what):
-            if not ok:
-                raise TrainError(f"train setting {what}")
-        for name in ("lr", "weight_decay", "max_minutes", "step_decay", "grad_clip", "warmup_ratio", "min_lr_ratio"):
-            need(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)}: must be a finite number")
-        need(self.loss in LOSSES, f"loss={self.loss!r}: choose one of {LOSSES}")
-        need(self.drafter in ("llama", "mla"), f"drafter={self.drafter!r}: choose 'llama' or 'mla'")
-        need(self.drafter == "mla" or not any(v is not None for v in self.mla_overrides().values()),
-             "mla_* settings apply to drafter=mla only: set drafter=mla or leave them unset")
-        need(self.drafter == "llama" or self.num_layers == 1, f"num_layers={self.num_layers} with drafter=mla: "
-             f"SGLang 0.5.14's Eagle3DeepseekV2ForCausalLM runs exactly one layer")
-        need(self.attention in ("auto", "sdpa", "flex"), f"attention={self.attention!r}: choose auto, sdpa or flex")
-        need(self.lm_head in ("trained", "frozen"), f"lm_head={self.lm_head!r}: choose 'trained' or 'frozen'")
-        need(self.ttt_steps >= 1 and self.num_layers >= 1, "ttt_steps and num_layers must be >= 1")
-        need(self.serving_steps >= 1, "serving_steps must be >= 1")
-        need(self.ttt_steps >= self.serving_steps, f"ttt_steps={self.ttt_steps} < serving_steps={self.serving_steps}: "
-             f"positions past the TTT depth are never trained on the draft's own states; train at least as deep")
-        need(self.lr > 0 and 0 <= self.warmup_ratio < 1 and 0 <= self.min_lr_ratio <= 1, "lr > 0, warmup_ratio in "
-             "[0, 1), min_lr_ratio in [0, 1]")
-        need(self.tokens_per_batch >= 16 and self.grad_accum >= 1 and self.epochs >= 1 and self.max_steps >= 0
-             and self.rows_per_batch >= 1,
-             "tokens_per_batch >= 16, rows_per_batch >= 1, grad_accum >= 1, epochs >= 1, max_steps >= 0")
-        need(0 < self.step_decay <= 1, "step_decay in (0, 1]")
-        need(self.draft_vocab_size >= 1, "draft_vocab_size >= 1")
-        need(0 <= self.val_percent < 100, f"val_percent={self.val_percent}: give a share of the training samples in "
-             f"[0, 100) to choose the best checkpoint on (0: none, best/ is the latest)")
-        need(not self.fit_schedule or self.max_minutes > 0, "fit_schedule needs max_minutes > 0 (the budget to fit)")
-        need(self.eval_depth >= self.serving_steps, f"eval_steps={self.eval_steps} < serving_steps="
-             f"{self.serving_steps}: the best checkpoint is chosen by held-out tau at serving_steps, which an evaluation "
-             f"this shallow does not measure; set eval_steps >= serving_steps (or 0: ttt_steps)")
-        need(self.grad_clip >= 0, f"grad_clip={self.grad_clip}: give the gradient norm to clip to, or 0 for none")
-        need(self.save_every >= 1 and self.eval_every >= 0, "save_every >= 1 (optimizer steps between resume points), "
-             "eval_every >= 0")
-        for name in ("weight_decay", "max_minutes", "eval_steps", "workers", "seed"):  # counts and budgets
-            need(getattr(self, name) >= 0, f"{name}={getattr(self, name)}: must be >= 0"
-                 + (" (0: no budget)" if name == "max_minutes" else ""))
-        from eagle3kit.target import check_device
-
-        try:
-            check_device(self.device, "device", sep="=")
-        except ValueError as e:
-            raise TrainError(f"train setting {e}") from None
-        if self.live is not None:
-            from eagle3kit.live.config import LiveConfig, LiveError
-
-            try:
-                LiveConfig.from_dict(self.live)
-            except LiveError as e:
-                raise TrainError(str(e)) from None
-        return self
-
-    def mla_overrides(self) -> dict:
-        """The ``mla_*`` settings without the prefix (None: the target's own)."""
-        return {f.name[4:]: getattr(self, f.name) for f in fields(self) if f.name.startswith("mla_")}
-
-    @property
-    def use_fc_norm(self) -> bool:
-        return self.fc_norm or self.eagle31
-
-    @property
-    def use_norm_output(self) -> bool:
-        return self.norm_output or self.eagle31
-
-    @property
-    def eval_depth(self) -> int:
-        """The chain depth an evaluation runs: ``eval_steps``, or ``ttt_steps`` when 0."""
-        return self.eval_steps or self.ttt_steps
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise TrainError(f"unknown train settings {unknown}; known: {sorted(known)}")
-        d = dict(d)
-        for f in fields(cls):  # a value of the wrong type is a user's mistake, named before any comparison trips on it
-            if f.name in d and isinstance(d[f.name], str) and "float" in str(f.type):
-                try:  # YAML 1.1 reads 3e-4 (no dot) as a string; a user writes floats so, and the defaults print so
-                    d[f.name] = float(d[f.name])
-                except ValueError:
-                    pass
-            if f.name in d and not fits(d[f.name], f.type):
-                raise TrainError(f"train setting {f.name}={d[f.name]!r}: expected {f.type}")
-        return cls(**d).validate()
 
 
 @dataclass
