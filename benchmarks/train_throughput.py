@@ -84,7 +84,7 @@ def parse(argv=None):
 
 
 def train_config(a, out_dir, ab: bool = False):
-    from eagle3kit.drafter.train import TrainConfig
+    from eagle3kit.drafter.train_config import TrainConfig
 
     sets = {}
     for kv in a.set + (a.ab if ab else []):
@@ -355,12 +355,12 @@ def main(argv=None) -> int:
         print(s, flush=True)
         lines.append(s)
 
-    cfg = train_config(a, out / "eagle3kit-r1")  # refuses bad --set values before anything runs
-    if a.ab:
-        train_config(a, out / "eagle3kit-ab-r1", ab=True)
     passes = set(a.passes.split(","))
     if not passes or passes - {"eagle3kit", "compute", "speculators"}:
         raise SystemExit(f"--passes {a.passes}: choose among eagle3kit, compute, speculators")
+    cfg = train_config(a, out / "eagle3kit-r1")  # refuses bad --set values before anything runs
+    if a.ab:
+        train_config(a, out / "eagle3kit-ab-r1", ab=True)
     say(f"train throughput: data {a.data}, device {a.device}, {a.steps} steps x {a.rounds} rounds, "
         f"tokens_per_batch {a.tokens_per_batch}, ttt_steps {cfg.ttt_steps}, draft vocab {cfg.draft_vocab_size}, "
         f"workers {a.workers}, first {a.warmup} steps left out")

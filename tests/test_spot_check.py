@@ -10,15 +10,19 @@ import pytest
 from eagle3kit import cli
 
 
-def _rewrite(src, dest, change):
-    """A copy of data set ``src`` whose samples went through ``change(tensors, entry)`` and whose manifest carries
-    the new files' checksums: wrong states that no checksum can catch."""
+def _rewrite(src, dest, change, keep=4):
+    """A copy of data set ``src`` whose first ``keep`` samples went through ``change(tensors, entry)`` and whose
+    manifest carries the new files' checksums and only them: wrong states that no checksum can catch (the other
+    samples left out, so ``--reference`` can only pick changed ones)."""
     from eagle3kit.capture.format import read_sample, write_sample
     from eagle3kit.store import MANIFEST, read_manifest
 
     shutil.copytree(src, dest)
     lines = []
-    for e in sorted(read_manifest(dest).values(), key=lambda e: e["index"]):
+    entries = sorted(read_manifest(dest).values(), key=lambda e: e["index"])
+    for e in entries[keep:]:
+        (dest / "samples" / e["file"]).unlink()
+    for e in entries[:keep]:
         tensors, meta = read_sample(dest / "samples" / e["file"])
         change(tensors, e)
         m = write_sample(dest / "samples", e["key"], 0, tensors, meta, e.get("storage", "bf16"))

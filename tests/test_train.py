@@ -16,6 +16,11 @@ from tests.conftest import TINY_DRAFTER as TINY
 from tests.training_runs import cli, env, weights
 
 
+# the simulated-clock tests' trainings: their logic counts steps, not tokens, so a step of 64 tokens (a quarter of
+# TINY's) tests the same in a quarter of the time
+CLOCKED = {**TINY, "tokens_per_batch": 64}
+
+
 def _stepped_clock(monkeypatch, step_seconds):
     """train()'s clock made a simulated one: ``step_seconds(step)`` for each optimizer step (a forward with its loss)
     and a millisecond for each reading (setup, evaluations, saves take time too), so a time budget runs out after a
@@ -190,7 +195,7 @@ def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_
     budget = 0.8  # minutes: 45 steps of 1 s
     t0 = clock()
     s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=budget, eval_every=100_000,
-                          fit_schedule=True, **TINY))
+                          fit_schedule=True, **CLOCKED))
     took = clock() - t0
     assert 20 < s["train_steps"] == s["train_total_steps_fitted"] < s["train_total_steps_planned"], s
     assert not s["train_stopped_early"] and 0 <= s["train_data_wait_fraction"] < 1
@@ -220,7 +225,7 @@ def test_fit_schedule_times_its_pace_after_the_first_step(small_dataset, tmp_pat
 
     monkeypatch.setattr(T, "_fitted_steps", spy)
     train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=0.3,
-                      eval_every=100_000, fit_schedule=True, **TINY))  # 0.3 min: about 30 steps of 0.5 s
+                      eval_every=100_000, fit_schedule=True, **CLOCKED))  # 0.3 min: about 30 steps of 0.5 s
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
     after_first = sum(r["seconds"] for r in rows[1:21]) / 20
     assert rows[0]["seconds"] >= 4.0 and "pace" in seen
@@ -250,7 +255,7 @@ def test_fit_schedule_fits_again_when_the_pace_slows(small_dataset, tmp_path, mo
     monkeypatch.setattr(T, "FIT_AFTER", 5)
     budget = 0.3  # the first fit plans about 170 steps at 0.1 s; the second look, 0.5 s a step, cuts it to about 40
     s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=budget,
-                          eval_every=100_000, fit_schedule=True, **TINY))
+                          eval_every=100_000, fit_schedule=True, **CLOCKED))
     rows = [json.loads(x) for x in (tmp_path / "f" / "train_log.jsonl").read_text().splitlines()]
     assert len(fits) >= 2 and not s["train_stopped_early"], (fits, s["train_steps"])
     assert fits[1][0] < fits[0][0] + (fits[0][1] - fits[0][0]) // 3, fits  # the time, not the step count, called it
@@ -292,7 +297,7 @@ def test_max_minutes_bounds_the_whole_call_setup_and_the_closing_work_included(s
     budget = 0.5
     t0 = clock()
     s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "f"), epochs=500, max_minutes=budget,
-                          eval_every=6, fit_schedule=fit, **TINY))
+                          eval_every=6, fit_schedule=fit, **CLOCKED))
     took = clock() - t0
     assert s["train_steps"] >= 6 and s["train_wall_seconds"] <= took <= 60 * budget, (took, s["train_steps"])
     assert s["train_stopped_early"] != fit and s["train_setup_seconds"] >= 10 and s["train_eval_seconds"] >= 8
