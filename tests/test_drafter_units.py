@@ -547,3 +547,24 @@ def test_the_validation_carve_out_is_fixed_disjoint_and_never_the_whole_train_sp
     assert D.carve_validation(src, 0) == (src, None)
     with pytest.raises(ValueError, match="val_percent=90: 2 of the 2 training samples.*none left to train on"):
         D.carve_validation(Src(2), 90)
+
+
+def test_the_teacher_from_known_greedy_tokens_equals_the_full_heads():
+    """An evaluation's later passes know each row's greedy token and compute only the draft vocabulary's columns of
+    the head: the same token, draft index and log-probabilities as the full head (a float sum in another order at
+    most); given other tokens, the teacher follows them (the shortcut trusts its cache, so the cache must be right)."""
+    from eagle3kit.drafter.model import TargetHead
+    from eagle3kit.drafter.objective import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    head = TargetHead(torch.rand(32, generator=g) + 0.5, torch.randn(1000, 32, generator=g), 1e-6)
+    final = torch.randn(50, 32, generator=g) * 3
+    vocab_ids = torch.sort(torch.randperm(1000, generator=g)[:100]).values
+    t2d = torch.full((1000,), -1, dtype=torch.long)
+    t2d[vocab_ids] = torch.arange(100)
+    full = teacher(head, final, vocab_ids, t2d, chunk=16)
+    known = teacher(head, final, vocab_ids, t2d, chunk=16, token=greedy_tokens(head, final, chunk=7))
+    assert torch.equal(known.token, full.token) and torch.equal(known.draft_index, full.draft_index)
+    torch.testing.assert_close(known.logp, full.logp, rtol=1e-6, atol=1e-6)
+    other = teacher(head, final, vocab_ids, t2d, token=vocab_ids[:50])
+    assert torch.equal(other.draft_index, torch.arange(50)) and not torch.equal(other.token, full.token)

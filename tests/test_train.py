@@ -699,3 +699,21 @@ def test_the_best_checkpoint_is_chosen_on_validation_samples_and_the_held_out_sp
     assert s["val_samples"] == round(data_train * 0.2) and s["train_samples"] + s["val_samples"] == data_train
     s0 = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "n"), max_steps=1, val_percent=0, **TINY))
     assert s0["val_samples"] == 0 and s0["train_best_chosen_by"] == "latest" and s0["best_step"] == 1
+
+
+def test_an_evaluation_runs_the_targets_full_head_once_per_batch(small_dataset, tmp_path, monkeypatch):
+    """The full head (V columns) gives each held-out row's greedy token once; later evaluations of the same source
+    compute only the draft vocabulary's columns, and count the same (the untrained drafter: nothing changed)."""
+    from eagle3kit.drafter.train import evaluate, setup
+
+    run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "e"), **TINY))
+    calls = []
+    real = run.head.logits
+    monkeypatch.setattr(run.head, "logits", lambda x: calls.append(x.shape[0]) or real(x))
+    first = evaluate(run).as_tensor()
+    full_rows = sum(calls)
+    assert full_rows == sum(run.heldout_src.length(i) - 1 for i in range(len(run.heldout_src))) > 0
+    again = evaluate(run).as_tensor()
+    assert sum(calls) == full_rows and torch.equal(first, again)
+    evaluate(run, source=run.val_src)  # another source: its own tokens
+    assert sum(calls) > full_rows

@@ -178,3 +178,11 @@ class TargetHead(torch.nn.Module):
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         h = final if self.final_normed else self.norm(final)
         return h.to(self.weight.dtype) @ self.weight.T
+
+    def draft_logits(self, final: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+        """``logits(final)[:, vocab_ids]`` from the draft vocabulary's rows of the head alone (kept after the first
+        call: a run's draft vocabulary does not change)."""
+        if getattr(self, "_draft", None) is None or self._draft[0] is not vocab_ids:
+            self._draft = (vocab_ids, self.weight.index_select(0, vocab_ids))
+        h = final if self.final_normed else self.norm(final)
+        return h.to(self.weight.dtype) @ self._draft[1].T

@@ -33,8 +33,8 @@ from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
 from eagle3kit.drafter.checkpoint import atomic_save, load_checkpoint, rng_state, set_rng
 from eagle3kit.drafter.export import to_sglang
-from eagle3kit.drafter.objective import (ChainCounts, chain_count_tensor, serving_walk, step_loss, teacher,
-                                         valid_rows)
+from eagle3kit.drafter.objective import (ChainCounts, chain_count_tensor, greedy_tokens, serving_walk, step_loss,
+                                         teacher, valid_rows)
 from eagle3kit.drafter.train_config import TrainConfig, TrainError
 from eagle3kit.store import cut_torn_tail
 
@@ -365,13 +365,15 @@ def _autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = True, walk: torch.Tensor | None = None):
+def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = True, walk: torch.Tensor | None = None,
+                  teacher_token: torch.Tensor | None = None):
     """TTT forward of one packed batch: (weighted loss, counts in ``ChainCounts.as_tensor`` layout on the device).
     Nothing here waits for the GPU: counts are summed on the device and read once per optimizer step. ``walk``
-    (evaluation only: it reads the rows on the host): ``serving_walk``'s tokens and rounds are added to it."""
+    (evaluation only: it reads the rows on the host): ``serving_walk``'s tokens and rounds are added to it.
+    ``teacher_token``: the target's greedy tokens of these rows when known (``objective.teacher``)."""
     cfg = run.cfg
     b = _to(batch, run.device)
-    t = teacher(run.head, b["final"], run.vocab_ids, run.t2d_index)
+    t = teacher(run.head, b["final"], run.vocab_ids, run.t2d_index, token=teacher_token)
     rows = max(1, b["input_ids"].shape[0] // cfg.tokens_per_batch)  # data.collate_rows: rows of tokens_per_batch
     with _autocast(run.device):
         step_logits = module(b["aux"], b["input_ids"], b["doc_ids"], b["position_ids"], steps, rows,
@@ -409,10 +411,18 @@ def evaluate(run: Run, steps: int | None = None, source=None, max_batches: int |
     if max_batches:
         batches = batches[:max_batches]
     total = torch.zeros(6 * steps + 2, dtype=torch.float64, device=run.device)
-    for _, batch, _ in D.loader(source, batches, run.info.n_states, run.info.hidden_size, run.cfg.tokens_per_batch,
-                                rank=run.dist.rank, world=run.dist.world, workers=0, rows=run.cfg.rows_per_batch):
+    # the target's greedy tokens of each batch (8 bytes a row), kept on the source from its first evaluation with
+    # this head: the batches are the same each time (the plan has no seed), so later evaluations compute only the
+    # draft vocabulary's columns of the head, and the full head runs once per batch
+    known = source.__dict__.setdefault("_eval_teacher_tokens", {}).setdefault(
+        (run.head, run.dist.rank, run.dist.world, run.cfg.tokens_per_batch, run.cfg.rows_per_batch), {})
+    for j, (_, batch, _) in enumerate(D.loader(source, batches, run.info.n_states, run.info.hidden_size,
+                                               run.cfg.tokens_per_batch, rank=run.dist.rank, world=run.dist.world,
+                                               workers=0, rows=run.cfg.rows_per_batch)):
         if batch is not None:
-            total += forward_batch(run, module, batch, steps, with_loss=False, walk=walk)[1]
+            if j not in known:
+                known[j] = greedy_tokens(run.head, batch["final"].to(run.device))
+            total += forward_batch(run, module, batch, steps, with_loss=False, walk=walk, teacher_token=known[j])[1]
     run.model.train(was)
     total = run.dist.all_sum(total).cpu()
     return ChainCounts.from_tensor(steps, total)
