@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3kit.acceptance import compare, drafthook, online, proof
+from eagle3kit.acceptance import compare, drafthook, online, outputs_match, proof
 
 P = drafthook.RID_PREFIX
 
@@ -1336,12 +1336,12 @@ def test_outputs_compared_to_plain_by_identity_and_common_prefix():
     results = {"servers": {"plain": srv([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]),
                            "main": srv([[1, 2, 3, 4], [5, 6, 0, 0], None]),
                            "bad": srv([[0, 2, 3, 4], [5, 6, 7, 8, 1], [9, 9]])}}
-    m = experiment._outputs_match(results)
+    m = outputs_match.outputs_match_plain(results)
     assert m["main"] == {"identical": 0.5, "identical_prompts": 1, "prompts": 2,
                          "common_prefix": pytest.approx((1 + 0.5) / 2)}
     assert m["bad"]["identical"] == pytest.approx(1 / 3)
     # cut at the end-of-sequence token 7 (timed replies go on past it): bad's second reply is plain's to its end
-    assert experiment._outputs_match(results, {7})["bad"]["identical_prompts"] == 2
+    assert outputs_match.outputs_match_plain(results, {7})["bad"]["identical_prompts"] == 2
     assert m["bad"]["common_prefix"] == pytest.approx((0 + 4 / 5 + 1) / 3)
 
 
@@ -1356,11 +1356,11 @@ def test_batch_1_replies_are_held_against_the_data_sets_own_replies():
     decode = lambda ids: " ".join(words[i] for i in ids)  # noqa: E731
     results = {"servers": {"plain": srv([[1, 2, 3], [1, 4, 5]]), "main": srv([[1, 2, 3], [1, 2, 5]]),
                            "steps5": srv([[9]])}}
-    got = experiment.outputs_match_stored(results, [" the cat sat", "the dog ran\n"], decode)
+    got = outputs_match.outputs_match_stored(results, [" the cat sat", "the dog ran\n"], decode)
     assert sorted(got) == ["main", "plain"]  # the two servers 05 holds against the stored text
     assert got["plain"] == {"identical": 1.0, "identical_prompts": 2, "prompts": 2, "common_prefix": 1.0}
     assert got["main"]["identical"] == 0.5 and got["main"]["common_prefix"] == pytest.approx((1 + 4 / 11) / 2)
-    assert experiment.outputs_match_stored(results, [], decode) == {}
+    assert outputs_match.outputs_match_stored(results, [], decode) == {}
     plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(), offbyone=False,
                                  proof=False, concurrencies=(1,))
     m = experiment.summarize(plan, {"servers": {}, "outputs_match_stored": got}, {}, {})
