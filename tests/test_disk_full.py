@@ -22,7 +22,7 @@ def small_fs(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_fs, target_path):
+def test_a_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_fs, target_path, capsys):
     out = small_fs / "data"
     filler = small_fs / "filler"
     cmd = [sys.executable, "-m", "eagle3kit.cli", "extract", "--target", str(target_path), "--out", str(out),
@@ -47,10 +47,14 @@ def test_a_full_disk_stops_the_run_cleanly_and_a_rerun_resumes(small_fs, target_
     print(r.stderr[-1500:])
     assert "wrote" in r.stderr and ("failures.json" in r.stderr or "not listed on disk" in r.stderr)
 
-    filler.unlink()  # space freed: the same command resumes
-    r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert r2.returncode == 0, r2.stderr[-2000:]
-    summary = json.loads(r2.stdout)
+    filler.unlink()  # space freed: the same command resumes (run here: the stop above is the process's own)
+    from eagle3kit.cli import main
+
+    capsys.readouterr()
+    rc = main(cmd[3:])
+    out2, err2 = capsys.readouterr()
+    assert rc == 0, err2[-2000:]
+    summary = json.loads(out2)
     assert summary["already_done"] >= len(kept) and summary["failed"] == 0
     lines = [json.loads(x)["key"] for x in (out / "manifest.jsonl").read_text().splitlines() if x.strip()]
     assert len(lines) == len(set(lines)) == summary["samples"]  # nothing lost, nothing twice

@@ -361,8 +361,9 @@ def test_an_export_killed_midway_leaves_nothing_that_loads_at_its_destination(tm
 
 
 @pytest.mark.slow
-def test_resume_after_a_real_kill(tmp_path, target_path):
-    """SIGKILL an extraction mid-run; the rerun completes it with every sample exactly once and verified."""
+def test_resume_after_a_real_kill(tmp_path, target_path, capsys):
+    """SIGKILL an extraction mid-run (its own process); the rerun (the same command, run here) completes it with
+    every sample exactly once and verified."""
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "eagle3kit.cli", "extract", "--target", str(target_path), "--out", str(out),
            "--max-samples", "32", "--max-tokens", "128"]
@@ -375,9 +376,13 @@ def test_resume_after_a_real_kill(tmp_path, target_path):
     first = len(read_manifest(out))
     assert first >= 3, f"kill came too early ({first} samples done)"  # too late: n > first below (samples come in
     # bursts: one poll saw fewer than 3 and the kill found 12 of 16 done, 2026-12-03; 32 leave room)
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    summary = json.loads(r.stdout)
+    from eagle3kit.cli import main
+
+    capsys.readouterr()
+    rc = main(cmd[3:])
+    out_text, err = capsys.readouterr()
+    assert rc == 0, err[-2000:]
+    summary = json.loads(out_text)
     n = summary["samples"]  # 32 conversations, less those with no assistant token in 128 tokens
     assert n > first, f"the kill came after the extraction ended ({first} of {n} samples done): nothing to resume"
     assert summary["already_done"] >= first and summary["already_done"] + summary["written"] == n

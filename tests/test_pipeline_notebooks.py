@@ -10,10 +10,10 @@ from tests.conftest import ROOT
 
 
 # The demo's steps at the smallest sizes whose claims still hold (every step's assertions run; the learning claims
-# need a dozen conversations): two TP ranks (test_tp.py runs three), 8 concurrent prompts of 32-96 tokens, most in chunks of 32; 12 conversations of at most
+# need a dozen conversations): 8 concurrent prompts of 32-96 tokens, most in chunks of 32; 12 conversations of at most
 # 160 tokens; a 2,048-token draft vocabulary trained 4 epochs on 512-token batches.
 SMALL = [a for kv in ("00_target.max_new_tokens=8", "01_tp_check.num_prompts=2", "01_tp_check.max_len=64",
-                      "01_tp_check.tp_ranks=2",
+
                       "02_capture_spec.num_concurrent=8", "02_capture_spec.max_len=96", "02_capture_spec.chunk_size=32",
                       "02_capture_spec.calibration_prompts=4", "03_extract.compact_samples=2",
                       "03_extract.max_tokens=160", "03_extract.max_samples=12", "03_extract.heldout_percent=25",
@@ -30,7 +30,7 @@ def test_demo_pipeline_small(tmp_path):
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     m = json.loads((run_dir / "metrics.json").read_text())
     assert m["target_layers"] == 30 and m["target_reply_tokens"] > 0
-    assert m["tp_ranks"] == 2 and m["tp_bitwise_equal_fraction"] == 1.0
+    assert m["tp_ranks"] == 3 and m["tp_bitwise_equal_fraction"] == 1.0
     assert m["capture_concurrent_requests"] == 8 and m["capture_mismatches"] == 0
     assert m["capture_max_rel_err"] < 0.01  # batched vs single forward, fp32 reference stored in bf16
     assert m["extract_failed"] == 0 and m["extract_samples"] == m["extract_verified"] > 0

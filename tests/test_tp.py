@@ -72,6 +72,17 @@ def test_two_cpu_ranks_on_the_padded_heads_variant(tmp_path, tokenizer):
     assert [r["layer_id"] for r in rows] == [2, 27, 30] and tp_check.verdict(rows, 2).startswith("replicated")
 
 
+def test_ranks_that_do_not_split_the_heads_are_refused_naming_those_that_do(tmp_path):
+    """The embedded 9/3 heads over 2 ranks: refused before torchrun starts, naming the rank counts that fit (it was a
+    shape error inside each rank, "shape '[1, 40, -1, 64]' is invalid", after the ranks had loaded the model)."""
+    from eagle3kit.target import resolve_target
+
+    with pytest.raises(ValueError, match=r"tp_ranks=2: the target's 9 attention heads and 3 KV heads .* Fix: tp_ranks "
+                                         r"in \[1, 3\]"):
+        tp_check.run_cpu_tp(resolve_target("embedded:smollm2"), tmp_path, {"q0": [1, 2]}, [2, 27], n_ranks=2)
+    assert not (tmp_path / "torchrun.log").exists()
+
+
 def test_one_rank_is_not_run_not_a_fraction_of_one(tmp_path, tokenizer):
     """One rank compared with itself would be 'bitwise equal' by construction: no rows, verdict 'not run'."""
     from eagle3kit.target import resolve_target

@@ -29,11 +29,11 @@ def _stepped_clock(monkeypatch, step_seconds):
 
     now, steps, real_forward = [0.0], [0], T.forward_batch
 
-    def forward(run, module, batch, ttt, with_loss=True, walk=None):
+    def forward(run, module, batch, ttt, with_loss=True, **kw):
         if with_loss:
             steps[0] += 1
             now[0] += step_seconds(steps[0])
-        return real_forward(run, module, batch, ttt, with_loss, walk)
+        return real_forward(run, module, batch, ttt, with_loss, **kw)
 
     def clock():
         now[0] += 1e-3
@@ -483,10 +483,10 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
             raise RuntimeError("no compiler for evaluation")
         return gm.forward
 
-    extra = {"max_steps": 3, "save_every": 3, "eval_every": 3}
+    extra = {"max_steps": 3, "save_every": 3, "eval_every": 3, "tokens_per_batch": 64}  # the graphs, not the sizes
 
     def run(name, **kw):
-        s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / name), **TINY, **{**extra, **kw}))
+        s = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / name), **{**TINY, **extra, **kw}))
         return s, weights(tmp_path / name)
 
     try:

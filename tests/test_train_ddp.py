@@ -122,10 +122,10 @@ def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
                        # a simulated clock: 0.5 s an optimizer step (1 ms a reading), 1.5 s on rank 1 after its first
                        # fit, so the budget runs out after a few real steps at the pace set, whatever the load
                        "now, switched, fit, forward = [0.0], [], T._fitted_steps, T.forward_batch\n"
-                       "def step(run, module, batch, ttt, with_loss=True, walk=None):\n"
+                       "def step(run, module, batch, ttt, with_loss=True, **kw):\n"
                        "    if with_loss:\n"
                        "        now[0] += 1.5 if switched else 0.5\n"
-                       "    return forward(run, module, batch, ttt, with_loss, walk)\n"
+                       "    return forward(run, module, batch, ttt, with_loss, **kw)\n"
                        "def clock():\n"
                        "    now[0] += 1e-3\n"
                        "    return now[0]\n"
@@ -137,7 +137,8 @@ def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
                        "T.FIT_AFTER = 3\n"  # later looks need 2 x FIT_AFTER steps left: a loaded machine's short plan
                        "from eagle3kit.cli import main\n"
                        "sys.exit(main(sys.argv[1:]))\n")
-    extra = {"epochs": 500, "max_minutes": 0.3, "eval_every": 100000, "fit_schedule": True, "save_every": 100000}
+    extra = {"epochs": 500, "max_minutes": 0.3, "eval_every": 100000, "fit_schedule": True, "save_every": 100000,
+             "tokens_per_batch": 64}  # steps of 64 tokens: the logic counts steps on the simulated clock
     cmd = cli(small_dataset, out, extra, torchrun=2)
     cmd[cmd.index("-m", 3):cmd.index("eagle3kit.cli") + 1] = [str(wrapper)]  # torchrun runs the wrapper
     try:

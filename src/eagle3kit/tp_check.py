@@ -83,7 +83,17 @@ def ranks_found(capture_dir, key) -> list[int]:
 
 
 def run_cpu_tp(target, out_dir, prompts: dict, aux_layer_ids, n_ranks: int, timeout: float = 1800) -> str:
-    """Real tensor parallelism on the CPU: torchrun + gloo + transformers' tp_plan, each rank writing captures."""
+    """Real tensor parallelism on the CPU: torchrun + gloo + transformers' tp_plan, each rank writing captures.
+    ``n_ranks`` must divide the target's attention and KV heads (the tp_plan splits heads; SGLang pads or replicates
+    instead): refused here, naming the ranks that fit, not as a shape error inside a rank."""
+    from eagle3kit.target import TargetInfo
+
+    info = TargetInfo.read(Path(target))
+    if n_ranks < 1 or info.num_heads % n_ranks or info.num_kv_heads % n_ranks:
+        fit = [n for n in range(1, info.num_heads + 1) if info.num_heads % n == 0 and info.num_kv_heads % n == 0]
+        raise ValueError(f"tp_ranks={n_ranks}: the target's {info.num_heads} attention heads and {info.num_kv_heads} "
+                         f"KV heads do not split over {n_ranks} ranks on the CPU (transformers' tp_plan splits heads). "
+                         f"Fix: tp_ranks in {fit}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts_file = out_dir / "prompts.json"
