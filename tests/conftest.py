@@ -22,16 +22,18 @@ def _gpu_ready() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     # make test hands whole modules to its xdist workers (--dist loadfile), so a module-scoped fixture is made once;
-    # the modules go longest first (the sum of their tests' ``slow(minutes)``; other tests count 3 s), so the two
-    # workers share the long ones and end together. Within a module the collection order stays (its fixtures made
-    # once on one worker, also without xdist).
-    def minutes(item):
+    # the modules go longest first, so the two workers share the long ones and end together: by their seconds in
+    # tests/module_seconds.json (a full run's, python scripts/module_seconds.py), else by their tests'
+    # ``slow(minutes)`` (others half a second). Within a module the collection order stays.
+    measured = json.loads((ROOT / "tests" / "module_seconds.json").read_text())
+
+    def seconds(item):
         m = item.get_closest_marker("slow")
-        return (m.args[0] if m.args else 1) if m else 0.05
+        return 60 * (m.args[0] if m.args else 1) if m else 0.5
     weight = {}
     for item in items:
-        weight[item.path] = weight.get(item.path, 0) + minutes(item)
-    items.sort(key=lambda item: -weight[item.path])
+        weight[item.path] = weight.get(item.path, 0) + seconds(item)
+    items.sort(key=lambda item: -measured.get(item.path.name, weight[item.path]))
     if _gpu_ready():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and SGLang (run on the GPU machine: scripts/gpu_record.sh tests)")
