@@ -71,6 +71,7 @@ class CaptureWriter:
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="e3k-io")
         self._io_pending = 0
         self._status_at = 0.0
+        self._status_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="e3k-writer", daemon=True)
         self._thread.start()
 
@@ -187,13 +188,16 @@ class CaptureWriter:
                 "time": time.time()}
 
     def _status(self, force: bool = False):
-        now = time.time()
-        if force or now - self._status_at > 0.5:
-            self._status_at = now
-            try:
-                atomic_write(self.status_file, json.dumps(self.status()).encode())
-            except OSError:
-                pass
+        # made and written under one lock: an I/O thread's status made before a newer one (a flush's, carrying the
+        # scheduler's last error) cannot land after it and hide it
+        with self._status_lock:
+            now = time.time()
+            if force or now - self._status_at > 0.5:
+                self._status_at = now
+                try:
+                    atomic_write(self.status_file, json.dumps(self.status()).encode())
+                except OSError:
+                    pass
 
     def flush(self, timeout: float = 60.0) -> dict:
         """Wait until every submitted job is written (tests, shutdown); returns the status."""
