@@ -13,7 +13,6 @@ from tests.conftest import ROOT
 # need a dozen conversations): 8 concurrent prompts of 32-96 tokens, most in chunks of 32; 12 conversations of at most
 # 160 tokens; a 2,048-token draft vocabulary trained 4 epochs on 512-token batches.
 SMALL = [a for kv in ("00_target.max_new_tokens=8", "01_tp_check.num_prompts=2", "01_tp_check.max_len=64",
-
                       "02_capture_spec.num_concurrent=8", "02_capture_spec.max_len=96", "02_capture_spec.chunk_size=32",
                       "02_capture_spec.calibration_prompts=4", "03_extract.compact_samples=2",
                       "03_extract.max_tokens=160", "03_extract.max_samples=12", "03_extract.heldout_percent=25",
