@@ -79,6 +79,7 @@ def made_once(tmp_path_factory, name: str, make) -> Path:
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker's failed attempt: the next one starts clean
             folder.mkdir()
             make(folder)
             done.touch()

@@ -7,8 +7,7 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
-from eagle3kit.setting_types import fits, setting
-from eagle3kit.setting_types import settings_table as setting_table  # this module's settings_table is the docs'
+from eagle3kit.setting_types import fits, markdown_table, setting
 
 ENGINES = ("transformers", "sglang")
 STORAGES = ("bf16", "fp8")
@@ -142,5 +141,5 @@ class ExtractConfig:
 
 def settings_table() -> str:
     """docs/settings.md's extraction table, made from the fields (tests/test_extract_config.py keeps the file equal)."""
-    return setting_table(ExtractConfig, "eagle3kit extract", lambda f: None if not f.metadata.get("cli", True)
-                         else f.metadata.get("flag") or "--" + f.name.replace("_", "-"))
+    return markdown_table(ExtractConfig, "eagle3kit extract", lambda f: None if not f.metadata.get("cli", True)
+                          else f.metadata.get("flag") or "--" + f.name.replace("_", "-"))

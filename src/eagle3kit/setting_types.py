@@ -38,7 +38,7 @@ def default_of(f):
     return f.default
 
 
-def settings_table(cls, command: str, flag) -> str:
+def markdown_table(cls, command: str, flag) -> str:
     """docs/settings.md's table of a settings object, made from its fields: name, ``flag(field)`` (how ``command``
     sets it; None: Python and notebook only), default, help."""
     from dataclasses import MISSING, fields

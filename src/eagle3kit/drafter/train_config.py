@@ -1,14 +1,14 @@
 """The training's settings: one typed object, defined here once. ``eagle3kit train`` reads it (``--set name=value``
 over the fields, ``from_dict``), notebook 04 builds it from its parameters of the same names (``from_notebook``), the
 params check runs its checks before any step of a pipeline starts (``eagle3kit.params``), docs/settings.md lists it
-(``setting_types.settings_table``), and ``drafter.train.train`` reads it."""
+(``setting_types.markdown_table``), and ``drafter.train.train`` reads it."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
 
 from eagle3kit.drafter.objective import LOSSES
-from eagle3kit.setting_types import fits, setting, settings_table
+from eagle3kit.setting_types import fits, markdown_table, setting
 
 
 class TrainError(ValueError):
@@ -175,4 +175,4 @@ def from_notebook(params: dict, *, data: str, out_dir: str) -> TrainConfig:
 
 def train_settings_table() -> str:
     """docs/settings.md's training table, made from the fields (tests/test_train_config.py keeps the file equal)."""
-    return settings_table(TrainConfig, "eagle3kit train", lambda f: f.metadata.get("flag") or f"--set {f.name}=VALUE")
+    return markdown_table(TrainConfig, "eagle3kit train", lambda f: f.metadata.get("flag") or f"--set {f.name}=VALUE")
