@@ -3,7 +3,10 @@
   1. ``extract`` with a capture server started here writes the conversations' states to disk (the file baseline's data);
   2. ``train`` from those files (seed 0, and seed 1 for the spread of two trainings of one recipe);
   3. ``train --live``: a capture server colocated on the same GPU streams the same conversations to the trainer;
-  4. with ``--fault-after S``: a live training whose capture server is killed with SIGKILL S seconds into its steps.
+  4. with ``--fault-after S``: a live training whose capture server is killed with SIGKILL S seconds into its steps;
+  5. ``mla`` (#46): the file run's data, recipe, seed and steps with the MLA head (Eagle3DeepseekV2ForCausalLM) in
+     place of the Llama head; SmolLM2 is no MLA target, so the head's MLA sizes are set here (``MLA``: the rope and
+     latent sizes SGLang's triton MLA kernels compile for, 9 heads as SmolLM2's attention).
 Prints every figure; ``--out`` gets metrics.json: ``live_vs_file_tau_rel_diff`` (held-out tau at serving steps),
 ``file_seed_tau_rel_diff`` (the yardstick), ``live_train_tokens_per_s_ratio`` (live over file, optimizer steps
 only), ``live_wait_share``, ``live_hidden_state_bytes_on_disk``, ``live_peak_host_mb`` against ``live_stream_bound_mb``,
@@ -25,9 +28,13 @@ from pathlib import Path
 SERVER = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.35"]
 
 
+MLA = {"drafter": "mla", "mla_num_attention_heads": 9, "mla_q_lora_rank": 384, "mla_kv_lora_rank": 512,
+       "mla_qk_nope_head_dim": 64, "mla_qk_rope_head_dim": 64, "mla_v_head_dim": 64}
+
+
 def recipe(a) -> dict:
     return {"target": "embedded:smollm2", "draft_vocab_size": 16384, "ttt_steps": 5, "serving_steps": 3,
-            "tokens_per_batch": 4096, "rows_per_batch": 2, "lr": 1e-3, "max_steps": a.steps, "epochs": 30,
+            "tokens_per_batch": a.tokens_per_batch, "rows_per_batch": 2, "lr": 1e-3, "max_steps": a.steps, "epochs": 30,
             "workers": 4, "eval_every": 0, "progress": False, "save_every": 200}
 
 
@@ -83,14 +90,16 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--stream-gb", type=float, default=4.0)
+    p.add_argument("--tokens-per-batch", type=int, default=4096)
     p.add_argument("--fault-after", type=float, default=0, help="seconds into the fault run's steps (0: no fault run)")
-    p.add_argument("--only", nargs="*", default=["file", "seed1", "live", "fault"])
+    p.add_argument("--only", nargs="*", default=["file", "seed1", "live", "fault"],
+                   help="runs, in order: file, seed1, live, fault, mla")
     a = p.parse_args(argv)
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     res = {"samples_asked": a.samples, "steps": a.steps}
     data = work / "data"
-    if not (data / "manifest.jsonl").exists() and {"file", "seed1"} & set(a.only):
+    if not (data / "manifest.jsonl").exists() and {"file", "seed1", "mla"} & set(a.only):
         t0 = time.time()
         ex = run_extraction(target="embedded:smollm2", out_dir=data, engine="sglang", max_samples=a.samples,
                             max_tokens=a.max_tokens, heldout_percent=5, server_args=SERVER, port=30021,
@@ -101,8 +110,8 @@ def main(argv=None):
     res["live_ram_folder"] = str(ram)
     for name in a.only:
         cfg = {**recipe(a), "out_dir": str(work / name)}
-        if name in ("file", "seed1"):
-            cfg.update(data=str(data), seed=1 if name == "seed1" else 0)
+        if name in ("file", "seed1", "mla"):
+            cfg.update(data=str(data), seed=1 if name == "seed1" else 0, **(MLA if name == "mla" else {}))
         else:
             cfg.update(data="embedded:sharegpt", live=live_settings(a, 30031 if name == "fault" else 30041,
                                                                     str(ram / f"eagle3kit-live-{name}")))
@@ -134,6 +143,9 @@ def main(argv=None):
         res["live_peak_host_mb"] = lv["live_peak_stream_mb"]
     if "seed1" in runs and "file" in runs:
         res.update(seed1_tau_3=tau["seed1"], file_seed_tau_rel_diff=abs(tau["seed1"] - tau["file"]) / tau["file"])
+    if "mla" in runs and "file" in runs:
+        res.update(mla_tau_3=tau["mla"], mla_vs_llama_tau_rel_diff=(tau["mla"] - tau["file"]) / tau["file"],
+                   mla_train_tokens_per_s=runs["mla"]["train_tokens_per_s"])
     if "fault" in runs:
         fr = runs["fault"]
         res.update({f"fault_{k}": v for k, v in fr.items() if k.startswith("live_") and isinstance(v, (int, float))})

@@ -174,16 +174,19 @@ for what in ${phases//,/ }; do
         # stream alone at Kimi-K2.5's geometry (benchmarks/live_stream.py); E3K_LIVE_ARGS: more of live_train's arguments
         $stop python3 benchmarks/live_train.py --out "$rec" ${E3K_LIVE_ARGS:---samples 2000 --steps 400 --fault-after 20} \
           2>&1 | tee "$rec/live_train.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-        for s in bf16 fp8; do
+        for s in bf16 fp8; do  # E3K_LS_FORWARDS=0: the trainings alone
+          [ "${E3K_LS_FORWARDS:-30}" = 0 ] && break
           $stop python3 benchmarks/live_stream.py --kimi --storage $s --rounds 3 --forwards ${E3K_LS_FORWARDS:-30} \
             --consumers 4 --out "$rec" 2>&1 | tee -a "$rec/live_stream.log"; [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done ;;
     liveserve) rc=0  # #44/#47: the live phase's drafters served by SGLang at (3,1,4) and (7,1,8), batch 1, under 05's
         # reporting (paired rounds, equal work): the live-trained drafter as main, the file-trained ones (seeds 0, 1)
         # as controls, prompts from the file data set's held-out split
-        L=/root/work/live
+        # (#46: with the live phase's MLA head, trained as the file one on the same data and steps, as a control too:
+        # whether SGLang serves an MLA draft beside the non-MLA SmolLM2, and its accept length against the Llama head's)
+        L=/root/work/live ctrl="file: $L/file/best, seed1: $L/seed1/best"; [ -d $L/mla/best ] && ctrl="$ctrl, mla: $L/mla/best"
         $stop python3 -m eagle3kit.cli run $P --only 05_acceptance --run-dir "$rec/run" --set 05_acceptance.data=$L/data \
-          --set 05_acceptance.drafter=$L/live/best --set "05_acceptance.controls={file: $L/file/best, seed1: $L/seed1/best}" \
+          --set 05_acceptance.drafter=$L/live/best --set "05_acceptance.controls={$ctrl}" \
           --set "05_acceptance.sweep_steps=[3, 7]" --set "05_acceptance.trees=[]" --set "05_acceptance.concurrencies=[1]" \
           --set "05_acceptance.prompts_per_conc={1: 16}" --set 05_acceptance.untrained=false --set "05_acceptance.variants={}" \
           ${E3K_SERVE_SETS:-} > "$rec/run-05.log" 2>&1 || rc=1 ;;
