@@ -269,14 +269,15 @@ def test_two_gloo_ranks_train_live_as_they_train_from_files(file_run, tmp_path):
 def test_live_with_regenerated_replies_trains_as_from_files_extracted_with_them(tmp_path, target_path):
     """``regenerate``: the target writes the replies before the stream captures them (as ``extract --regenerate``),
     kept in out_dir's regenerated.jsonl. The live drafter equals the one trained from files of an extraction that
-    regenerated the same conversations; both trained on the target's replies, not the data set's."""
+    regenerated the same conversations; both trained on the target's replies, not the data set's. Both stop at
+    max_steps, mid-epoch: the stream captures only the samples those steps read."""
     from safetensors.torch import load_file
 
     from eagle3kit.drafter.train import TrainConfig, train
     from eagle3kit.pipeline import run_extraction
 
     live = {**LIVE, "max_samples": 8, "regenerate": True, "regenerate_max_new_tokens": 12}
-    recipe = {**RECIPE, "workers": 0}
+    recipe = {**RECIPE, "workers": 0, "max_steps": 1}
     run_extraction(target=str(target_path), out_dir=tmp_path / "data", max_samples=8, max_tokens=LIVE["max_tokens"],
                    heldout_percent=25, regenerate=True, regenerate_max_new_tokens=12, progress=False)
     f = train(TrainConfig.from_dict({**recipe, "data": str(tmp_path / "data"), "out_dir": str(tmp_path / "file")}))
@@ -285,8 +286,10 @@ def test_live_with_regenerated_replies_trains_as_from_files_extracted_with_them(
     replies = [json.loads(x) for x in (tmp_path / "live" / "regenerated.jsonl").read_text().splitlines()]
     assert len(replies) == 8 and all(r["regenerated"] for r in replies)
     assert replies == [json.loads(x) for x in (tmp_path / "data" / "regenerated.jsonl").read_text().splitlines()]
-    assert s["train_steps"] == f["train_steps"] > 0 and s["train_tokens_seen"] == f["train_tokens_seen"]
+    assert s["train_steps"] == f["train_steps"] == 1 and s["train_tokens_seen"] == f["train_tokens_seen"]
     assert s["live_samples_lost"] == 0 and s["live_samples_duplicated"] == 0
+    # nothing captured past the last step (before, the stream asked the whole epoch's plan)
+    assert s["live_samples_asked"] == s["live_samples_trained"] < s["live_train_conversations"]
     live_w = load_file(str(tmp_path / "live" / "final" / "model.safetensors"))
     file_w = load_file(str(tmp_path / "file" / "final" / "model.safetensors"))
     assert live_w.keys() == file_w.keys() and all(torch.equal(live_w[k], file_w[k]) for k in live_w)

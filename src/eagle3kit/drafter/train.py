@@ -670,6 +670,9 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
     while state["step"] < total_steps and not state.get("stopped_early"):
         epoch, in_epoch = divmod(state["step"], steps_per_epoch)
         batches = D.epoch_plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch, steps_per_epoch * per_step)
+        # the rows the steps left read (a plan ends mid-epoch at max_steps; a fitted plan only gets shorter): the loader
+        # prefetches no more, and the stream captures no more (a GPU run captured 1,744 samples for 1,300 trained on)
+        batches = batches[:min(len(batches), (in_epoch + total_steps - state["step"]) * per_step)]
         if live is not None:  # what this rank reads this epoch, in order: the stream captures it ahead
             run.train_src.schedule(epoch, [i for j in range(in_epoch * per_step, len(batches))
                                            if j % dist.world == dist.rank for i in batches[j]])
