@@ -13,6 +13,8 @@ only), ``live_wait_share``, ``live_hidden_state_bytes_on_disk``, ``live_peak_hos
 and the fault run's ``fault_live_samples_lost`` / ``_duplicated`` / ``fault_live_server_restarts``.
 
 usage: python benchmarks/live_train.py --out DIR [--samples 2000] [--steps 400] [--fault-after 30]
+       python benchmarks/live_train.py --served STEP   (05_acceptance's folder of gpu_record.sh's liveserve phase: the
+       live drafter served as main, the file ones as controls "file" and "seed1", the MLA head as "mla")
 """
 from __future__ import annotations
 
@@ -78,13 +80,36 @@ def killer(out: Path, after_s: float, log: list) -> None:
             pass
 
 
+def served(step: Path) -> dict:
+    """SGLang's accept lengths at 05's serving setting, from 05's metrics.json (a complete or a cut run's, which
+    ``record_partial`` summarised), as relative differences against the file-trained drafter: the live one (main),
+    the other seed of the file recipe (the yardstick) and the MLA head; merged into that metrics.json."""
+    from eagle3kit.metrics import update_json
+
+    m = json.loads((step / "metrics.json").read_text())
+    file = m.get("file_accept_length")
+    if not file:
+        raise SystemExit(f"{step}/metrics.json: no file_accept_length (the file-trained control was not measured)")
+    res = {"live_accept_length": m["online_accept_length"], "file_accept_length": file}
+    res["live_vs_file_accept_rel_diff"] = abs(m["online_accept_length"] - file) / file
+    if "seed1_accept_length" in m:
+        res["file_seed_accept_rel_diff"] = abs(m["seed1_accept_length"] - file) / file
+    if "mla_accept_length" in m:
+        res["mla_vs_llama_accept_rel_diff"] = (m["mla_accept_length"] - file) / file
+    for k, v in res.items():
+        print(f"{k:40s} {v}")
+    update_json(step / "metrics.json", res)
+    return res
+
+
 def main(argv=None):
     from eagle3kit.drafter.train import TrainConfig, train
     from eagle3kit.metrics import update_json
     from eagle3kit.pipeline import run_extraction
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
+    p.add_argument("--served", help="05_acceptance's folder of the liveserve phase: its accept-length figures only")
     p.add_argument("--work", default="/root/work/live")
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--max-tokens", type=int, default=2048)
@@ -95,6 +120,10 @@ def main(argv=None):
     p.add_argument("--only", nargs="*", default=["file", "seed1", "live", "fault"],
                    help="runs, in order: file, seed1, live, fault, mla")
     a = p.parse_args(argv)
+    if a.served:
+        return served(Path(a.served))
+    if not a.out:
+        p.error("--out is required (or --served)")
     out, work = Path(a.out), Path(a.work)
     out.mkdir(parents=True, exist_ok=True)
     res = {"samples_asked": a.samples, "steps": a.steps}

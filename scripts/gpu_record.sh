@@ -153,6 +153,14 @@ PY
   for c in $ALL_CONTROLS; do [ -d "$W/train-$c" ] && mkdir -p "$rec/train-$c" && (cd "$W/train-$c" && find . -type f ! -name '*.safetensors' ! -name '*.pt' -print0 | xargs -0 -r cp --parents -t "$rec/train-$c"); done
   return $rc
 }
+strays() {  # SGLang servers a cut run of this phase left running (gpu-mla-tiny-2: the next run's servers, started on
+  # their ports, failed while the old ones answered its health checks); only under the chain, whose E3K_PHASE marks them
+  [ -n "${E3K_PHASE:-}" ] || return 0
+  local p
+  for p in $(pgrep -f 'sglang'); do
+    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$E3K_PHASE" && kill -9 "$p" 2>/dev/null
+  done; sleep 2
+}
 final=0
 stop=${E3K_TIMEOUT:+timeout -s INT $E3K_TIMEOUT}
 phases=${1//family/deepseek,kimi}  # family: both tiny targets, in turn, each its own archive
@@ -189,7 +197,10 @@ for what in ${phases//,/ }; do
           --set 05_acceptance.drafter=$L/live/best --set "05_acceptance.controls={$ctrl}" \
           --set "05_acceptance.sweep_steps=[3, 7]" --set "05_acceptance.trees=[]" --set "05_acceptance.concurrencies=[1]" \
           --set "05_acceptance.prompts_per_conc={1: 16}" --set 05_acceptance.untrained=false --set "05_acceptance.variants={}" \
-          ${E3K_SERVE_SETS:-} > "$rec/run-05.log" 2>&1 || rc=1 ;;
+          ${E3K_SERVE_SETS:-} > "$rec/run-05.log" 2>&1 || rc=1
+        [ $rc = 0 ] || python3 -c "import sys; from eagle3kit.acceptance.experiment import record_partial as r; print('partial:', sorted(r(sys.argv[1])))" \
+          "$rec/run/05_acceptance" >> "$rec/run-05.log" 2>&1
+        python3 benchmarks/live_train.py --served "$rec/run/05_acceptance" >> "$rec/run-05.log" 2>&1 || rc=1 ;;
     mla|mla-deepseek|mla-kimi)  # #46: the MLA head (Eagle3DeepseekV2ForCausalLM) on both tiny targets, plain EAGLE-3 and EAGLE-3.1: 00-05 once
         # per target with drafter=mla, then 04-05 again with eagle31=true on the same data; 05's proof server
         # records what SGLang loaded and computed (export_params_unloaded, mla_logits_*, fed layers, doctor on the
@@ -201,6 +212,7 @@ for what in ${phases//,/ }; do
           $stop python3 -m eagle3kit.cli run params/gpu-$t-tiny.yaml --run-dir "$rec/$t-mla" \
             --only ${E3K_MLA_ONLY:-03_extract 04_train 05_acceptance} \
             --set 04_train.drafter=mla "${@:2}" > "$rec/$t-mla.log" 2>&1 || rc=1
+          strays
           $stop python3 -m eagle3kit.cli run params/gpu-$t-tiny.yaml --run-dir "$rec/$t-mla31" --only 04_train 05_acceptance \
             --set 04_train.drafter=mla --set 04_train.eagle31=true --set 04_train.data="$rec/$t-mla/03_extract/data" \
             --set 05_acceptance.data="$rec/$t-mla/03_extract/data" "${@:2}" > "$rec/$t-mla31.log" 2>&1 || rc=1

@@ -404,3 +404,24 @@ def test_servers_stop_at_once_within_one_shared_grace(tmp_path):
         time.sleep(0.05)
     assert not running(child)  # the old stop looked at the launcher only and left the child running
     assert s._log.closed
+
+
+def test_a_server_is_not_started_on_a_port_another_process_answers(tmp_path):
+    """gpu-mla-tiny-2: a cut 05 left its SGLang servers running, and the next run's servers, started on the same
+    ports, were taken healthy by the old ones' /health: the old drafter was measured and the proof found no records.
+    A port that already answers is refused before anything starts; 05 reports that server failed, the others start."""
+    import socket
+
+    from eagle3kit.acceptance.online import Serving, start_servers
+    from eagle3kit.capture.server import ServerError, SGLangServer
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        s = SGLangServer(tmp_path / "model", port=port, log_path=tmp_path / "s.log")
+        with pytest.raises(ServerError, match=f"127.0.0.1:{port} already answers.*Fix: stop it"):
+            s.start()
+        assert s.proc is None and not (tmp_path / "s.log").exists()
+        r = start_servers(tmp_path / "model", [Serving("plain")], tmp_path / "logs", base_port=port)
+        assert r["servers"] == {} and "already answers" in r["failed"]["plain"]

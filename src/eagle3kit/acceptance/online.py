@@ -61,7 +61,7 @@ def start_servers(target, servings: list[Serving], log_dir, base_port: int = 310
                   startup_timeout: float = 900, stagger: float = 2.0) -> dict:
     """Start every server at once (imports dominate a start; they overlap) and wait until all are healthy.
     Returns {name: SGLangServer}; a server that fails to start is reported by name with its log's tail."""
-    from eagle3kit.capture.server import SGLangServer, stop_all
+    from eagle3kit.capture.server import ServerError, SGLangServer, stop_all
 
     names = [s.name for s in servings]
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -73,7 +73,11 @@ def start_servers(target, servings: list[Serving], log_dir, base_port: int = 310
             srv = SGLangServer(target, port=base_port + i, extra_args=[*common_args, *s.args()],
                                log_path=Path(log_dir) / f"sglang-{s.name}.log", hooks=s.hooks,
                                startup_timeout=startup_timeout)
-            servers[s.name] = srv.start()
+            try:
+                servers[s.name] = srv.start()
+            except ServerError as e:  # its port taken: this server is reported failed, the others start
+                failed[s.name] = str(e)
+                continue
             time.sleep(stagger)
         for name, srv in servers.items():
             try:

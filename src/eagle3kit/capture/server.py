@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +74,11 @@ class SGLangServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "SGLangServer":
+        host, port = self.url.rsplit("//", 1)[1].rsplit(":", 1)
+        if answers(host, int(port)):  # its /health would pass for this server's while this one is still importing
+            raise ServerError(f"{host}:{port} already answers: another process holds the port (a server a cut run "
+                              f"left running?), and it, not the server started here, would be measured. Fix: stop it "
+                              f"(ps -ef | grep 'port {port}'), or choose another port")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.capture is not None:
             Path(self.capture["capture_dir"]).mkdir(parents=True, exist_ok=True)
@@ -125,6 +131,13 @@ class SGLangServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def answers(host: str, port: int) -> bool:
+    """Whether something listens on host:port."""
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
 
 
 def plugin_problem(env: dict | None = None) -> str | None:
