@@ -16,6 +16,9 @@ BREAKEVEN_RUNS = ["gpu-breakeven-1", "gpu-breakeven-sync", "gpu-breakeven-bcg-1"
 CAPTURE_RUNS = ["gpu-benchmark-prefill-graph", "gpu-benchmark-graph-fp8", "gpu-benchmark-fp8-fused",
                 "gpu-benchmark-xxh3-shares"]
 
+LIVE_RUNS = ["gpu-live-vs-file", "gpu-live-vs-file-2"]
+LIVESERVE = "run/05_acceptance/metrics.json"
+
 # claim -> (metrics.json path inside each run, metric key, runs)
 CLAIMS = {
     "held-out tau(3)": (TRAIN, "heldout_tau_3", MAIN_RUNS),
@@ -43,6 +46,8 @@ CLAIMS = {
     "default capture bf16 / plain (defaults)": ("metrics.json", "ratio_vs_plain_default_bf16",
                                                 ["gpu-benchmark-prefill-graph"]),
     "capture / serial (fair)": ("metrics.json", "ratio_vs_serial_fair", CAPTURE_RUNS),
+    "live / file training tokens/s": ("metrics.json", "live_train_tokens_per_s_ratio", LIVE_RUNS),
+    "live training: share of steps that waited": ("metrics.json", "live_wait_share", LIVE_RUNS),
 }
 
 # single runs: (record, path inside it, key)
@@ -68,6 +73,19 @@ SINGLE = {
     "checksum in the capture pass": [("gpu-benchmark-xxh3-shares", "metrics.json", k) for k in (
         "ratio_vs_plain_default_graph", "ratio_vs_plain_default_graphsha",
         "durable_ratio_vs_limit_graph", "durable_ratio_vs_limit_graphsha")],
+    "live vs file (second run, held-out tau(3) and SGLang accept length at (3,1,4))": [
+        ("gpu-live-vs-file-2", "metrics.json", k) for k in (
+            "file_tau_3", "seed1_tau_3", "live_tau_3", "live_vs_file_tau_rel_diff", "file_seed_tau_rel_diff")] + [
+        ("gpu-liveserve", LIVESERVE, k) for k in (
+            "file_accept_length", "seed1_accept_length", "live_accept_length", "live_vs_file_accept_rel_diff",
+            "file_seed_accept_rel_diff")],
+    "MLA head vs Llama head on SmolLM2": [("gpu-live-vs-file-2", "metrics.json", k) for k in (
+        "mla_tau_3", "mla_vs_llama_tau_rel_diff", "mla_train_tokens_per_s")] + [
+        ("gpu-liveserve", LIVESERVE, k) for k in ("mla_accept_length", "mla_vs_llama_accept_rel_diff")],
+    "MLA load proof, tiny DeepSeek-V3, EAGLE-3.1": [
+        ("gpu-mla-tiny-2", "deepseek-mla31/05_acceptance/metrics.json", k) for k in (
+            "export_params_checked", "export_params_unloaded", "mla_logits_max_rel_err", "mla_logits_argmax_agreement",
+            "fed_layer_ids", "offbyone_fed_layer_ids", "offbyone_doctor_ok", "online_accept_length")],
     "prefill-graph data vs default data, held-out tau(3)": [
         ("gpu-prefill-graph-train-ab", "metrics-graph.json", "heldout_tau_3"),
         ("gpu-prefill-graph-train-ab", "metrics-eager.json", "heldout_tau_3")],
