@@ -266,6 +266,16 @@ def main(argv=None) -> int:
     b.add_argument("--force", action="store_true",
                    help="use --folder even when it holds files an earlier trial did not write (they are deleted)")
 
+    y = sub.add_parser("relay", help="on a capture host: move its capture server's samples to a live training on "
+                                     "another host (the training's live relay_port)")
+    y.add_argument("--capture-dir", required=True, help="the capture server's capture_dir (a RAM filesystem)")
+    y.add_argument("--to", required=True, help="the training's host:port (live relay_port; rank r listens on "
+                                               "port + r)")
+    y.add_argument("--index", type=int, required=True, help="this sender's number, 1 to --of")
+    y.add_argument("--of", type=int, required=True, help="how many capture hosts feed that training rank "
+                                                         "(live relay_senders)")
+    y.add_argument("--timeout", type=float, default=600, help="seconds to wait for the training to be reached")
+
     m = sub.add_parser("materialize", help="write the embedded model as a Hugging Face directory; print its path")
     m.add_argument("name", nargs="?", default="smollm2")
 
@@ -292,6 +302,11 @@ def main(argv=None) -> int:
             return 0
         if a.cmd == "trial":
             return _trial(a)
+        if a.cmd == "relay":
+            from eagle3kit.live.relay import RelaySender
+
+            print(RelaySender(a.capture_dir, a.to, a.index, a.of, timeout_s=a.timeout).run())
+            return 0
         return {"extract": _extract, "verify": _verify, "export": _export, "doctor": _doctor, "derive": _derive,
                 "train": _train, "compare": _compare}[a.cmd](a)
     except (ParamsError, StepFailed, ValueError, RuntimeError, OSError) as err:  # a user's mistake: no traceback

@@ -33,6 +33,9 @@ class LiveConfig:
     regenerate_max_new_tokens: int = 256
     prefill_graph: bool = False  # sglang: capture inside SGLang's prefill CUDA graph (last slot post-norm)
     reference_device: str = "cpu"  # transformers engine
+    relay_port: int = 0  # > 0: the urls' servers run on other hosts, each beside an `eagle3kit relay` sender that
+    # moves its captures here through torch.distributed (gloo/TCP); training rank r receives on relay_port + r
+    relay_senders: int = 1  # how many relay senders (capture hosts) feed each training rank
     timeout_s: float = 600.0  # a sample the trainer waits for longer than this stops the run, with the stream's state
     max_attempts: int = 5  # captures of one sample (failed or rejected) before the run stops, naming it
 
@@ -55,6 +58,10 @@ class LiveConfig:
              "the arguments of one to start (server_args), not both")
         need(self.engine == "sglang" or not (self.urls or self.server_args or self.prefill_graph),
              "urls / server_args / prefill_graph are the sglang engine's: set engine=sglang")
+        need(self.relay_port >= 0 and self.relay_senders >= 1, f"relay_port={self.relay_port}, relay_senders="
+             f"{self.relay_senders}: a port (0: no relay) and at least one sender")
+        need(not self.relay_port or (self.urls and self.stream_dir), "relay_port without urls and stream_dir: the "
+             "relay brings the captures of running servers on other hosts (urls) into stream_dir's samples/")
         need(self.aux_layer_ids is None or (list(self.aux_layer_ids) == sorted(set(self.aux_layer_ids))),
              f"aux_layer_ids={self.aux_layer_ids}: distinct and increasing")
         return self

@@ -88,7 +88,13 @@ def open_live(cfg, dist, out_dir: Path):
             return s
         expect = dict(capture_dir=str(samples_dir), aux_layer_ids=aux, num_layers=tinfo.num_layers,
                       final_normed=False, storage=lc.storage, prefill_graph=bool(lc.prefill_graph))
-        feeder = SGLangFeeder(lc.urls, lc.concurrency, lc.timeout_s, start_server=start_server, expect=expect)
+        relay = None
+        if lc.relay_port:
+            from eagle3kit.live.relay import RelayReceiver
+
+            relay = RelayReceiver(samples_dir, lc.relay_port + dist.rank, lc.relay_senders, timeout_s=lc.timeout_s)
+        feeder = SGLangFeeder(lc.urls, lc.concurrency, lc.timeout_s, start_server=start_server, expect=expect,
+                              relay=relay)
     generator = None
     if lc.regenerate:
         from eagle3kit.data.regenerate import SGLangGenerator, TransformersGenerator

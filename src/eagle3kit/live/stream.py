@@ -58,19 +58,26 @@ class SGLangFeeder:
     """Capture servers whose hooks write into the stream folder: ``urls`` (running; their capture folder must be the
     stream's), or one started here by ``start_server()`` and started again when it dies."""
 
-    def __init__(self, urls=(), concurrency: int = 64, timeout: float = 600, start_server=None, expect=None):
+    def __init__(self, urls=(), concurrency: int = 64, timeout: float = 600, start_server=None, expect=None,
+                 relay=None):
         self.urls, self.concurrency, self.timeout = list(urls), concurrency, timeout
         self.start_server, self.expect = start_server, expect
+        self.relay = relay  # live.relay.RelayReceiver: the urls write on other hosts, their samples come here
         self.server = None
         self.restarts = 0
 
     def prepare(self, samples_dir: Path) -> None:
         samples_dir.mkdir(parents=True, exist_ok=True)
+        if self.relay is not None and getattr(self.relay, "_thread", None) is None:
+            self.relay.start()
         if self.urls:
             from eagle3kit.capture.server import check_capture_server
 
+            expect = dict(self.expect or {})
+            if self.relay is not None:  # their capture folders are on their hosts: the relay brings the samples
+                expect.pop("capture_dir", None)
             for url in self.urls:
-                check_capture_server(url, self.expect or {})
+                check_capture_server(url, expect)
         elif self.server is None:
             self.server = self.start_server()
             self.urls = [self.server.url]
@@ -97,6 +104,8 @@ class SGLangFeeder:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        if self.relay is not None and self.relay.error is not None:
+            print(f"[live] relay: {type(self.relay.error).__name__}: {self.relay.error}", flush=True)
 
 
 class LiveStream:
@@ -231,7 +240,8 @@ class LiveStream:
                 "live_peak_stream_mb": self.peak_stream_bytes / 2 ** 20,
                 "live_peak_accounted_mb": self.peak_accounted_bytes / 2 ** 20,
                 "live_stream_bound_mb": self.budget / 2 ** 20,
-                "live_server_restarts": getattr(self.feeder, "restarts", 0)}
+                "live_server_restarts": getattr(self.feeder, "restarts", 0),
+                **{f"live_{k}": v for k, v in getattr(getattr(self.feeder, "relay", None), "counts", {}).items()}}
 
     # -- the producer thread --
     def _run(self) -> None:
