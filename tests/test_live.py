@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -230,28 +229,25 @@ def test_the_stream_folder_must_be_in_ram(tmp_path):
 
 @pytest.mark.slow
 def test_two_gloo_ranks_train_live_as_they_train_from_files(file_run, tmp_path):
-    """DDP live: two gloo ranks (torchrun), each capturing only its own batches (batch j on rank j % 2) through its own
+    """DDP live: two gloo ranks (torch's launcher), each capturing only its own batches (batch j on rank j % 2) through its own
     stream, end with the weights of the same two ranks trained from files of the same conversations; no sample is
     lost or read twice on either rank, and no hidden state reaches the disk."""
     import socket
 
     from safetensors.torch import load_file
 
+    from tests.training_runs import launch
+
     root, _ = file_run
     recipe = {**RECIPE, "workers": 0}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
 
-    def torchrun(out, data, live):
-        args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-                "-m", "eagle3kit.cli", "train", "--data", data, "--out", str(out)]
+    def torchrun(out, data, live):  # torch's launcher, its ranks forked from preloaded processes (launch)
+        args = ["train", "--data", data, "--out", str(out)]
         args += [a for k, v in recipe.items() for a in ("--set", f"{k}={json.dumps(v)}")]
         if live:
             args += ["--live", *(a for k, v in LIVE.items() for a in ("--live-set", f"{k}={json.dumps(v)}"))]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=900,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        codes, logs = launch(args)
+        assert codes == {0: 0, 1: 0}, logs[0][-3000:] + logs[1][-2000:]
         return json.loads((out / "metrics.json").read_text())
 
     f = torchrun(tmp_path / "file2", str(root / "data"), live=False)

@@ -1,4 +1,4 @@
-"""Training under DDP on the CPU: two gloo ranks through torchrun equal one rank with the same global batch, resume
+"""Training under DDP on the CPU: two gloo ranks (torchrun, or torch's launcher from preloaded processes) equal one rank with the same global batch, resume
 exactly after a kill, fit their schedule together and refuse a folder another training holds; each rank's own GPU."""
 import json
 import os
@@ -11,7 +11,7 @@ import torch
 
 from eagle3kit.drafter.train import TrainConfig, TrainError, train
 from tests.conftest import TINY_DRAFTER as TINY
-from tests.training_runs import cli, env, weights
+from tests.training_runs import cli, env, launch, train_args, weights
 
 
 # the DDP tests' training: 12 steps, a checkpoint every 2, an evaluation every 6
@@ -22,9 +22,8 @@ DDP = {"max_steps": 12, "save_every": 2, "eval_every": 6, "grad_accum": 1}
 def two_rank_run(small_dataset, tmp_path_factory):
     """A whole training of two gloo ranks (torchrun, DDP settings): what the other DDP runs must equal."""
     out = tmp_path_factory.mktemp("ddp") / "whole2"
-    r = subprocess.run(cli(small_dataset, out, DDP, torchrun=2), env=env(), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    codes, logs = launch(train_args(small_dataset, out, DDP))
+    assert codes == {0: 0, 1: 0}, logs[0][-3000:]
     return out
 
 
@@ -71,10 +70,9 @@ def test_two_gloo_ranks_resume_exactly_after_a_kill(small_dataset, two_rank_run,
             time.sleep(0.05)  # gone (or a zombie until init reaps it)
     left = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]  # what the kill left on disk
     assert killed_at is not None and left < 12 and not (cut / "metrics.json").exists(), "not interrupted"
-    r = subprocess.run(cli(small_dataset, cut, DDP, torchrun=2), env=env(), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resumed from {ckpt} at step {left} of 12" in r.stdout
+    codes, logs = launch(train_args(small_dataset, cut, DDP))  # the same ranks again, from the same folder
+    assert codes == {0: 0, 1: 0}, logs[0][-3000:]
+    assert f"resumed from {ckpt} at step {left} of 12" in logs[0]
     a, b = weights(two_rank_run), weights(cut)
     for k in a:
         assert torch.equal(a[k], b[k]), (k, (a[k] - b[k]).abs().max())
@@ -95,9 +93,9 @@ def test_a_second_training_into_the_same_folder_is_refused(small_dataset, tmp_pa
     with exclusive(out, "training"):
         with pytest.raises(TrainError, match=f"another training is writing there \\(pid {os.getpid()}"):
             train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))
-        r = subprocess.run(cli(small_dataset, out, {"max_steps": 2}, torchrun=2), env=env(), capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode != 0 and "another training is writing there" in r.stdout + r.stderr
+        codes, logs = launch(train_args(small_dataset, out, {"max_steps": 2}))
+        assert 0 not in codes.values() and "another training is writing there" in logs[0]
+        assert "rank 0 found another training writing there" in logs[1]  # and no rank waits in a collective
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
     s = train(TrainConfig(data=str(small_dataset), out_dir=str(out), max_steps=2, **TINY))  # the same run, resumed

@@ -1,5 +1,5 @@
-"""The CLI trainings of the training tests: argv (one process, or torchrun's ranks), their environment, and the
-weights a run saved last."""
+"""The CLI trainings of the training tests: argv (one process, or torchrun's ranks), their environment, ranks launched
+from preloaded processes, and the weights a run saved last."""
 import json
 import os
 import socket
@@ -23,6 +23,53 @@ def cli(data, out, extra=(), torchrun=0):
     head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port",
             str(free_port()), "-m", "eagle3kit.cli"] if torchrun else [sys.executable, "-m", "eagle3kit.cli"]
     return [*head, "train", "--data", str(data), "--out", str(out), *sets]
+
+
+def train_args(data, out, extra=()) -> list[str]:
+    """``eagle3kit`` arguments of a TINY training (``launch``'s argv)."""
+    return cli(data, out, extra)[3:]
+
+
+def launch(argv, nproc: int = 2) -> tuple[dict, dict]:
+    """``eagle3kit <argv>`` on ``nproc`` gloo ranks, started by torch's elastic launcher (the agent and rendezvous
+    torchrun runs) with the CLI's ``main`` as a function, from a forkserver that imported the trainer once (one thread
+    each, as ``env()``): a rank skips the ~9 s of imports a fresh interpreter pays (torch, transformers, speculators),
+    21 s -> 12 s a two-rank run of the DDP tests on the 2-core machine, with bit-equal weights. Returns ({rank: exit
+    code}, {rank: its stdout + stderr}). The kill and hang tests keep torchrun itself (a subprocess to kill or time
+    out)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from eagle3kit.cli import main
+
+    # preloaded, and its environment (its ranks'), when the forkserver starts: the first call in a process
+    multiprocessing.set_forkserver_preload(["eagle3kit.cli", "eagle3kit.drafter.train", "speculators.models.eagle3"])
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    logs = Path(tempfile.mkdtemp(prefix="e3k-launch-"))
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
+                       rdzv_endpoint=f"127.0.0.1:{free_port()}", run_id=f"e3k-{free_port()}", max_restarts=0,
+                       start_method="forkserver", monitor_interval=0.05,
+                       logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL))
+    try:
+        codes = elastic_launch(cfg, main)(list(argv))
+        return codes, {r: "".join(f.read_text() for f in sorted(logs.rglob(f"attempt_0/{r}/std*.log")))
+                       for r in range(nproc)}
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def env():
