@@ -1,9 +1,9 @@
 """Drafter training on real captured data (CPU): exact resume after a real kill, the final-slot check, time budgets,
 refusals, and the export loaded back (the DDP tests are in test_train_ddp.py)."""
 import json
+import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import torch
 from eagle3kit.drafter import data as D
 from eagle3kit.drafter.train import TrainConfig, TrainError, train
 from tests.conftest import TINY_DRAFTER as TINY
-from tests.training_runs import cli, env, weights
+from tests.training_runs import start, train_args, weights
 
 
 # the simulated-clock tests' trainings: their logic counts steps, not tokens, so a step of 64 tokens (a quarter of
@@ -58,24 +58,24 @@ def one_thread():
 def test_interrupted_run_resumes_exactly(small_dataset, tmp_path, capsys, one_thread):
     """A training killed (SIGKILL, its own process) after a checkpoint, with a log row torn, then the same training
     again: it resumes and ends with the weights of a training never interrupted (this process runs the whole one and
-    the resumed one, the killed one runs the CLI; one thread in each, as bitwise equality needs)."""
-    extra = {"max_steps": 14, "save_every": 2, "eval_every": 7}
+    the resumed one, the killed one runs the CLI in a process of its own; one thread in each, as bitwise equality
+    needs)."""
+    extra = {"max_steps": 8, "save_every": 2, "eval_every": 4}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     train(TrainConfig(data=str(small_dataset), out_dir=str(whole), **{**TINY, **extra}))
-    p = subprocess.Popen(cli(small_dataset, cut, extra), env=env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    p = start(train_args(small_dataset, cut, extra), tmp_path / "cut.log")  # the CLI in a process of its own
     ckpt, killed_at = cut / "checkpoints" / "last.pt", None
     deadline = time.time() + 600
-    while time.time() < deadline and p.poll() is None:
+    while time.time() < deadline and p.is_alive():
         if ckpt.exists():
             step = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]
             if step >= 4:
-                p.send_signal(signal.SIGKILL)
+                os.killpg(p.pid, signal.SIGKILL)
                 killed_at = step
                 break
         time.sleep(0.05)
-    p.wait()
-    assert killed_at is not None and killed_at < 14 and not (cut / "metrics.json").exists(), "not interrupted"
+    p.join()
+    assert killed_at is not None and killed_at < 8 and not (cut / "metrics.json").exists(), "not interrupted"
     with open(cut / "train_log.jsonl", "a") as f:  # what a kill in the middle of a log row leaves
         f.write('{"step": 99, "lo')
     capsys.readouterr()
@@ -86,9 +86,9 @@ def test_interrupted_run_resumes_exactly(small_dataset, tmp_path, capsys, one_th
     for k in a:
         assert torch.equal(a[k], b[k]), k
     m = json.loads((cut / "metrics.json").read_text())
-    assert m["train_steps"] == 14
+    assert m["train_steps"] == 8
     rows = [json.loads(x) for x in (cut / "train_log.jsonl").read_text().splitlines()]  # the torn row was cut
-    assert rows[-1]["step"] == 14 and 99 not in [r["step"] for r in rows]
+    assert rows[-1]["step"] == 8 and 99 not in [r["step"] for r in rows]
 
 
 def test_training_learns_and_exports_what_was_trained(small_dataset, trained_drafter, tmp_path):

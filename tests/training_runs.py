@@ -37,8 +37,6 @@ def launch(argv, nproc: int = 2) -> tuple[dict, dict]:
     21 s -> 12 s a two-rank run of the DDP tests on the 2-core machine, with bit-equal weights. Returns ({rank: exit
     code}, {rank: its stdout + stderr}). The kill and hang tests keep torchrun itself (a subprocess to kill or time
     out)."""
-    import multiprocessing
-    import multiprocessing.forkserver
     import shutil
     import tempfile
     from pathlib import Path
@@ -48,17 +46,7 @@ def launch(argv, nproc: int = 2) -> tuple[dict, dict]:
 
     from eagle3kit.cli import main
 
-    # preloaded, and its environment (its ranks'), when the forkserver starts: the first call in a process
-    multiprocessing.set_forkserver_preload(["eagle3kit.cli", "eagle3kit.drafter.train", "speculators.models.eagle3"])
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    _forkserver()
     logs = Path(tempfile.mkdtemp(prefix="e3k-launch-"))
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                        rdzv_endpoint=f"127.0.0.1:{free_port()}", run_id=f"e3k-{free_port()}", max_restarts=0,
@@ -70,6 +58,44 @@ def launch(argv, nproc: int = 2) -> tuple[dict, dict]:
                        for r in range(nproc)}
     finally:
         shutil.rmtree(logs, ignore_errors=True)
+
+
+def _forkserver():
+    """multiprocessing's forkserver context, started once per process with the trainer imported (preloaded) and one
+    thread (its environment when it starts is its children's)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    multiprocessing.set_forkserver_preload(["eagle3kit.cli", "eagle3kit.drafter.train", "speculators.models.eagle3"])
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    return multiprocessing.get_context("forkserver")
+
+
+def start(argv, log):
+    """``eagle3kit <argv>`` in a process of its own session (killpg stops it and its loader workers), its output in
+    ``log``, forked from the preloaded forkserver (``_forkserver``): a test that kills a run skips the ~9 s of
+    imports a fresh interpreter pays. Returns the started multiprocessing Process."""
+    p = _forkserver().Process(target=_cli_in_session, args=(list(argv), str(log)))
+    p.start()
+    return p
+
+
+def _cli_in_session(argv, log):
+    from eagle3kit.cli import main
+
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.exit(main(argv))
 
 
 def env():
