@@ -717,3 +717,42 @@ def test_an_evaluation_runs_the_targets_full_head_once_per_batch(small_dataset, 
     assert sum(calls) == full_rows and torch.equal(first, again)
     evaluate(run, source=run.val_src)  # another source: its own tokens
     assert sum(calls) > full_rows
+
+
+def test_later_epochs_run_the_targets_full_head_only_for_samples_not_seen(small_dataset, tmp_path, monkeypatch):
+    """teacher_cache_gb: an epoch's second pass over a sample takes its greedy tokens from the first (the full head's
+    V columns computed once a row), and the run ends with the weights of a run that computed them every step. Also
+    a sample cut shorter in one batch than in another, and the bound."""
+    from eagle3kit.drafter.objective import TeacherTokens
+    from eagle3kit.drafter.train import setup
+
+    run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "probe"), **TINY))
+    per_epoch = len(D.plan([run.train_src.length(i) for i in range(len(run.train_src))], TINY["tokens_per_batch"], 0))
+    steps = per_epoch + 3  # into the second epoch
+    rows = []
+    real = run.head.__class__.logits
+    monkeypatch.setattr(run.head.__class__, "logits", lambda self, x: rows.append(x.shape[0]) or real(self, x))
+    s = {}
+    for gb in (0.5, 0.0):
+        rows.clear()
+        s[gb] = train(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / f"c{gb}"), max_steps=steps,
+                                  eval_every=10_000, **{**TINY, "teacher_cache_gb": gb}))
+        s[gb]["full_head_rows"] = sum(rows)
+    a, b = weights(tmp_path / "c0.5"), weights(tmp_path / "c0.0")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert s[0.5]["train_steps"] == s[0.0]["train_steps"] == steps
+    # the evaluations (initial, closing) compute the same rows in both; the 3 steps of the second epoch only without
+    assert 0 < s[0.5]["full_head_rows"] < s[0.0]["full_head_rows"]
+
+    def batch(*samples):  # (sample id, rows) runs as collate lays them out; -1: padding
+        sid = torch.cat([torch.full((n,), i) for i, n in samples])
+        pos = torch.cat([torch.arange(1, n + 1) for _, n in samples])
+        return {"sample_ids": sid, "position_ids": pos}
+
+    c = TeacherTokens(max_bytes=4 * 10)
+    c.store(batch((3, 4), (5, 2), (-1, 2)), torch.tensor([1, 2, 3, 4, 9, 8, 0, 0]))
+    assert c.lookup(batch((5, 2), (3, 3), (-1, 1)), "cpu").tolist() == [9, 8, 1, 2, 3, 0]
+    assert c.lookup(batch((3, 5)), "cpu") is None  # cached 4 rows of sample 3, 5 asked
+    assert c.lookup(batch((3, 2), (3, 2)), "cpu").tolist() == [1, 2, 1, 2]  # the same sample twice, back to back
+    c.store(batch((7, 5)), torch.arange(5))  # 6 rows held, 5 more pass the 10-row bound: not kept
+    assert 7 not in c.rows and c.bytes == 4 * 6

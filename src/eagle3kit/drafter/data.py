@@ -241,10 +241,13 @@ def epoch_plan(lengths: list[int], tokens_per_batch: int, seed: int, epoch: int,
 
 
 def collate(parts: list[dict], first_doc: int = 0) -> dict:
+    """``sample_ids``: each row's sample index in the source (a part's ``sample``; -1 unknown), for the teacher's
+    token cache (``objective.TeacherTokens``)."""
     docs = [torch.full((p["input_ids"].shape[0],), first_doc + d, dtype=torch.int64) for d, p in enumerate(parts)]
     pos = [torch.arange(1, p["input_ids"].shape[0] + 1, dtype=torch.int64) for p in parts]
+    sids = [torch.full((p["input_ids"].shape[0],), p.get("sample", -1), dtype=torch.int64) for p in parts]
     out = {k: torch.cat([p[k] for p in parts]) for k in ("aux", "final", "input_ids", "loss_mask")}
-    out.update(doc_ids=torch.cat(docs), position_ids=torch.cat(pos))
+    out.update(doc_ids=torch.cat(docs), position_ids=torch.cat(pos), sample_ids=torch.cat(sids))
     return out
 
 
@@ -264,7 +267,8 @@ def collate_rows(rows: list[list[dict]], row_len: int, n_aux: int, hidden_size: 
             fill = {"aux": torch.zeros(pad, n_aux, dtype=dtype), "final": torch.zeros(pad, hidden_size, dtype=dtype),
                     "input_ids": torch.zeros(pad, dtype=torch.int64), "loss_mask": torch.zeros(pad, dtype=torch.int64),
                     "doc_ids": torch.full((pad,), -(r + 1), dtype=torch.int64),
-                    "position_ids": torch.arange(1, pad + 1, dtype=torch.int64)}
+                    "position_ids": torch.arange(1, pad + 1, dtype=torch.int64),
+                    "sample_ids": torch.full((pad,), -1, dtype=torch.int64)}
             row = fill if row is None else {k: torch.cat([row[k], fill[k]]) for k in fill}
         out.append(row)
     return {k: torch.cat([o[k] for o in out]) for k in out[0]}
@@ -295,6 +299,7 @@ class PackedBatches(torch.utils.data.IterableDataset):
             except SampleError as e:
                 skipped.append(f"sample {i}: {e}")
                 continue
+            a["sample"] = i
             parts.append(a)
             used += a["input_ids"].shape[0]
         return parts

@@ -65,6 +65,54 @@ def teacher(head, final: torch.Tensor, vocab_ids: torch.Tensor, t2d_index: torch
     return Teacher(token, t2d_index[token], torch.cat(logps))
 
 
+class TeacherTokens:
+    """The target's greedy token at every row of the samples trained on, kept on the device after a sample's first
+    batch (4 bytes a row, up to ``max_bytes``): a later epoch's batch of known samples computes only the draft
+    vocabulary's columns of the target's head (``teacher(token=...)``), not all V of them (the CPU demo's largest
+    matmul: 2,048 rows x 49,152 columns a step, every epoch). A row is (sample index, position): ``sample_ids`` and
+    ``position_ids`` of ``data.collate``; a sample's rows are a prefix of it (a batch may cut it shorter)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self.rows: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def _segments(batch: dict) -> list[tuple[int, int, int]]:
+        """(sample id, first row, rows) of each sample's run in the batch (-1: padding, or no id)."""
+        sid, pos = batch["sample_ids"], batch["position_ids"]
+        start = torch.ones_like(sid, dtype=torch.bool)
+        start[1:] = (sid[1:] != sid[:-1]) | (pos[1:] == 1)
+        first = start.nonzero().flatten().tolist()
+        ids = sid[first].tolist()
+        ends = first[1:] + [sid.shape[0]]
+        return [(i, a, b - a) for i, a, b in zip(ids, first, ends)]
+
+    def lookup(self, batch: dict, device) -> torch.Tensor | None:
+        """The batch's tokens when every sample in it is known (padding gets 0, which no loss sees), else None."""
+        if "sample_ids" not in batch or not self.rows:
+            return None
+        parts = []
+        for i, _, n in self._segments(batch):
+            if i < 0:
+                parts.append(torch.zeros(n, dtype=torch.int32, device=device))
+                continue
+            known = self.rows.get(i)
+            if known is None or known.shape[0] < n:
+                return None
+            parts.append(known[:n])
+        return torch.cat(parts).to(torch.int64)
+
+    def store(self, batch: dict, tokens: torch.Tensor) -> None:
+        if "sample_ids" not in batch:
+            return
+        for i, a, n in self._segments(batch):
+            known = self.rows.get(i)
+            if i < 0 or (known is not None and known.shape[0] >= n) or self.bytes + 4 * n > self.max_bytes:
+                continue
+            self.bytes += 4 * n - (0 if known is None else 4 * known.shape[0])
+            self.rows[i] = tokens[a:a + n].to(torch.int32).clone()
+
+
 @torch.no_grad()
 def greedy_tokens(head, final: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
     """The target's greedy token (full vocabulary) at each of the rows [S, H], ``chunk`` rows of logits at a time."""

@@ -33,8 +33,8 @@ from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
 from eagle3kit.drafter.checkpoint import atomic_save, load_checkpoint, rng_state, set_rng
 from eagle3kit.drafter.export import to_sglang
-from eagle3kit.drafter.objective import (ChainCounts, chain_count_tensor, greedy_tokens, serving_walk, step_loss,
-                                         teacher, valid_rows)
+from eagle3kit.drafter.objective import (ChainCounts, TeacherTokens, chain_count_tensor, greedy_tokens, serving_walk,
+                                         step_loss, teacher, valid_rows)
 from eagle3kit.drafter.train_config import TrainConfig, TrainError
 from eagle3kit.store import cut_torn_tail
 
@@ -88,6 +88,7 @@ class Run:
     most_frequent: int
     extra: dict = field(default_factory=dict)
     val_src: object | None = None  # the train split's validation samples (val_percent): the checkpoint choice
+    teacher_tokens: TeacherTokens | None = None  # training batches' greedy tokens by sample (teacher_cache_gb)
 
 
 def _device(cfg: TrainConfig, dist: Dist) -> torch.device:
@@ -264,7 +265,8 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
     return Run(cfg, dist, device, train_src, heldout_src, info, target, vocab, freq, model, head,
                vocab.target_to_draft().to(device), vocab.ids.to(device), int(torch.argmax(freq)),
                extra={"aux_layer_ids": aux, "num_layers": tinfo.num_layers, "model_type": tinfo.model_type,
-                      "attention": attention, "compiled": bool(compiled), "live": live_extra}, val_src=val_src)
+                      "attention": attention, "compiled": bool(compiled), "live": live_extra}, val_src=val_src,
+               teacher_tokens=TeacherTokens(int(cfg.teacher_cache_gb * 1e9)) if cfg.teacher_cache_gb > 0 else None)
 
 
 def _probe_flex(cfg: TrainConfig, model, device, aux_width: int) -> str:
@@ -366,13 +368,20 @@ def _autocast(device):
 
 
 def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = True, walk: torch.Tensor | None = None,
-                  teacher_token: torch.Tensor | None = None):
+                  teacher_token: torch.Tensor | None = None, cache: TeacherTokens | None = None):
     """TTT forward of one packed batch: (weighted loss, counts in ``ChainCounts.as_tensor`` layout on the device).
     Nothing here waits for the GPU: counts are summed on the device and read once per optimizer step. ``walk``
     (evaluation only: it reads the rows on the host): ``serving_walk``'s tokens and rounds are added to it.
-    ``teacher_token``: the target's greedy tokens of these rows when known (``objective.teacher``)."""
+    ``teacher_token``: the target's greedy tokens of these rows when known (``objective.teacher``); ``cache``: where
+    a batch's tokens are looked up by sample and kept (training: the same rows, bit for bit, in a later epoch, a
+    resumed run or a run without the cache: the draft vocabulary's log-probabilities are computed alike in each)."""
     cfg = run.cfg
     b = _to(batch, run.device)
+    if teacher_token is None and cache is not None:
+        teacher_token = cache.lookup(batch, run.device)
+        if teacher_token is None:
+            teacher_token = greedy_tokens(run.head, b["final"])
+            cache.store(batch, teacher_token)
     t = teacher(run.head, b["final"], run.vocab_ids, run.t2d_index, token=teacher_token)
     rows = max(1, b["input_ids"].shape[0] // cfg.tokens_per_batch)  # data.collate_rows: rows of tokens_per_batch
     with _autocast(run.device):
@@ -697,7 +706,7 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
                 sync = dist.world == 1 or micro == cfg.grad_accum - 1
                 ctx = module.no_sync() if not sync and hasattr(module, "no_sync") else contextlib.nullcontext()
                 with ctx:
-                    loss, c = forward_batch(run, module, batch, cfg.ttt_steps)
+                    loss, c = forward_batch(run, module, batch, cfg.ttt_steps, cache=run.teacher_tokens)
                     (loss / cfg.grad_accum).backward()
                 counts += c
                 rows += D.real_rows(batch)
@@ -824,7 +833,7 @@ def _empty_batch(run: Run) -> dict:
     n, h = run.info.n_states, run.info.hidden_size
     return {"aux": torch.zeros(1, (n - 1) * h), "final": torch.zeros(1, h), "input_ids": torch.zeros(1, dtype=torch.int64),
             "loss_mask": torch.zeros(1, dtype=torch.int64), "doc_ids": torch.zeros(1, dtype=torch.int64),
-            "position_ids": torch.ones(1, dtype=torch.int64)}
+            "position_ids": torch.ones(1, dtype=torch.int64), "sample_ids": torch.full((1,), -1, dtype=torch.int64)}
 
 
 def export(run: Run, dest: Path, extra: dict | None = None) -> Path:

@@ -59,6 +59,9 @@ class TrainConfig:
                                       "choose the best checkpoint, so the held-out tau reports a choice it took no "
                                       "part in; 0: best/ is the latest")
     save_every: int = setting(100, "optimizer steps between resume points")
+    teacher_cache_gb: float = setting(0.5, "memory on the training device for the target's greedy token of each row "
+                                           "trained on (4 bytes a row): later epochs compute only the draft "
+                                           "vocabulary's columns of the target's head; 0: all of them every step")
     workers: int = setting(2, "DataLoader workers")
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     attention: str = setting("auto", "sdpa (dense masks), flex (block-sparse, compiled: GPUs) or auto (flex on a GPU)")
@@ -81,7 +84,8 @@ class TrainConfig:
         def need(ok, what):
             if not ok:
                 raise TrainError(f"train setting {what}")
-        for name in ("lr", "weight_decay", "max_minutes", "step_decay", "grad_clip", "warmup_ratio", "min_lr_ratio"):
+        for name in ("lr", "weight_decay", "max_minutes", "step_decay", "grad_clip", "warmup_ratio", "min_lr_ratio",
+                     "teacher_cache_gb"):
             need(math.isfinite(getattr(self, name)), f"{name}={getattr(self, name)}: must be a finite number")
         need(self.loss in LOSSES, f"loss={self.loss!r}: choose one of {LOSSES}")
         need(self.drafter in ("llama", "mla"), f"drafter={self.drafter!r}: choose 'llama' or 'mla'")
@@ -93,6 +97,7 @@ class TrainConfig:
         need(self.lm_head in ("trained", "frozen"), f"lm_head={self.lm_head!r}: choose 'trained' or 'frozen'")
         need(self.ttt_steps >= 1 and self.num_layers >= 1, "ttt_steps and num_layers must be >= 1")
         need(self.serving_steps >= 1, "serving_steps must be >= 1")
+        need(self.teacher_cache_gb >= 0, f"teacher_cache_gb={self.teacher_cache_gb}: give GB >= 0 (0: no cache)")
         need(self.ttt_steps >= self.serving_steps, f"ttt_steps={self.ttt_steps} < serving_steps={self.serving_steps}: "
              f"positions past the TTT depth are never trained on the draft's own states; train at least as deep")
         need(self.lr > 0 and 0 <= self.warmup_ratio < 1 and 0 <= self.min_lr_ratio <= 1, "lr > 0, warmup_ratio in "
