@@ -34,8 +34,8 @@ def one_round(samples: int, sample_mb: float, port: int) -> float:
                                    f"127.0.0.1:{port}", "--index", "1", "--of", "1", "--timeout", "120"],
                                   stdout=subprocess.DEVNULL)
         data = os.urandom(int(sample_mb * 2 ** 20))
-        while receiver._pg is None and receiver.error is None:  # the group is up: the clock starts with the writes
-            time.sleep(0.01)
+        if not receiver.wait_ready(120):  # the group is up: the clock starts with the writes
+            raise SystemExit(f"the relay sender did not join: {receiver.error}")
         t0 = time.perf_counter()
         for i in range(samples):
             name = f"{sample_name(f'k{i}', 0)}.safetensors"

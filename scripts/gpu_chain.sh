@@ -27,12 +27,7 @@ if [ -z "${E3K_CHAIN_TREE:-}" ]; then
 fi
 export OUT=/root/records PYTHONPATH=/root/site:$PWD/src:${PYTHONPATH:-}
 mkdir -p "$OUT"
-kill_servers_of() {  # only this phase's SGLang processes: another chain (a second lane) may share the GPU
-  local p
-  for p in $(pgrep -f 'sglang'); do
-    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$1" && kill -9 "$p" 2>/dev/null
-  done
-}
+. scripts/phase_servers.sh  # kill_servers_of PHASE: only that phase's SGLang processes (a second lane may share the GPU)
 CHAIN=${E3K_CHAIN:-"data:560 train:600 serve:450"}
 echo "chain: $CHAIN ($(date -u +%H:%M:%S))"
 for item in $CHAIN; do

@@ -153,13 +153,11 @@ PY
   for c in $ALL_CONTROLS; do [ -d "$W/train-$c" ] && mkdir -p "$rec/train-$c" && (cd "$W/train-$c" && find . -type f ! -name '*.safetensors' ! -name '*.pt' -print0 | xargs -0 -r cp --parents -t "$rec/train-$c"); done
   return $rc
 }
+. scripts/phase_servers.sh
 strays() {  # SGLang servers a cut run of this phase left running (gpu-mla-tiny-2: the next run's servers, started on
   # their ports, failed while the old ones answered its health checks); only under the chain, whose E3K_PHASE marks them
   [ -n "${E3K_PHASE:-}" ] || return 0
-  local p
-  for p in $(pgrep -f 'sglang'); do
-    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "E3K_PHASE=$E3K_PHASE" && kill -9 "$p" 2>/dev/null
-  done; sleep 2
+  kill_servers_of "$E3K_PHASE"; sleep 2
 }
 final=0
 stop=${E3K_TIMEOUT:+timeout -s INT $E3K_TIMEOUT}

@@ -91,3 +91,22 @@ def test_relay_settings_are_checked(tmp_path, capsys):
     assert ok.relay_senders == 2
     assert main(["relay", "--capture-dir", str(tmp_path), "--to", "nowhere", "--index", "1", "--of", "1"]) == 1
     assert "--to 'nowhere': give the trainer's host:port" in capsys.readouterr().err
+
+
+def test_a_capture_whose_file_is_gone_arrives_as_a_failed_capture(tmp_path):
+    """The sender cannot send a file that is no longer on the capture host: the training gets the capture as failed
+    (its stream asks for it again), never a marker without its file; the one beside it arrives whole."""
+    host, trainer = tmp_path / "host", tmp_path / "trainer"
+    host.mkdir()
+    port = free_port()
+    receiver = RelayReceiver(trainer, port, senders=1, host="127.0.0.1", timeout_s=60).start()
+    writer_into(host)("kept")
+    write_marker(host, "gone", 0, {"status": "ok", "key": "gone", "rank": 0, "file": "gone.rank0.safetensors"})
+    stop = threading.Event()
+    stop.set()  # what the journal holds now, then goodbye
+    RelaySender(host, f"127.0.0.1:{port}", 1, 1, timeout_s=60).run(stop)
+    assert receiver.close(wait_s=30)["relay_samples"] == 2
+    by_key = {m["key"]: m for m in map(json.loads, journal_path(trainer, 0).read_text().splitlines())}
+    assert by_key["gone"]["status"] == "error" and "missing on the capture host" in by_key["gone"]["reason"]
+    assert by_key["kept"]["status"] == "ok" and (trainer / by_key["kept"]["file"]).exists()
+    assert not (trainer / "gone.rank0.safetensors").exists()

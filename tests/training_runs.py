@@ -19,15 +19,15 @@ def free_port() -> int:
 
 
 def cli(data, out, extra=(), torchrun=0):
-    sets = [a for k, v in {**TINY, **dict(extra)}.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     head = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-port",
             str(free_port()), "-m", "eagle3kit.cli"] if torchrun else [sys.executable, "-m", "eagle3kit.cli"]
-    return [*head, "train", "--data", str(data), "--out", str(out), *sets]
+    return [*head, *train_args(data, out, extra)]
 
 
 def train_args(data, out, extra=()) -> list[str]:
-    """``eagle3kit`` arguments of a TINY training (``launch``'s argv)."""
-    return cli(data, out, extra)[3:]
+    """``eagle3kit`` arguments of a TINY training (``launch``'s argv; ``cli``'s after its command)."""
+    sets = [a for k, v in {**TINY, **dict(extra)}.items() for a in ("--set", f"{k}={json.dumps(v)}")]
+    return ["train", "--data", str(data), "--out", str(out), *sets]
 
 
 def launch(argv, nproc: int = 2) -> tuple[dict, dict]:

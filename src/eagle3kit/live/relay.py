@@ -53,24 +53,31 @@ class RelayReceiver:
         self.counts = {"relay_samples": 0, "relay_bytes": 0, "relay_statuses": 0}
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
 
     def start(self) -> "RelayReceiver":
+        """Starts the receiving thread (once: a later call does nothing)."""
+        if self._thread is not None:
+            return self
         self.samples_dir.mkdir(parents=True, exist_ok=True)
         self._pg = None
-        ready = threading.Event()
 
         def run():
             try:
                 self._pg = _group(self.host, self.port, 0, self.senders + 1, self.timeout_s)
-                ready.set()
+                self._ready.set()
                 self._serve()
             except BaseException as e:  # noqa: BLE001 - kept for close() and the stream's summary
                 self.error = e
-                ready.set()
+                self._ready.set()
 
         self._thread = threading.Thread(target=run, name="e3k-relay", daemon=True)
         self._thread.start()
         return self
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Whether every sender has joined (the group is up) within ``timeout`` seconds."""
+        return self._ready.wait(timeout) and self.error is None
 
     def _serve(self) -> None:
         import torch

@@ -68,7 +68,7 @@ class SGLangFeeder:
 
     def prepare(self, samples_dir: Path) -> None:
         samples_dir.mkdir(parents=True, exist_ok=True)
-        if self.relay is not None and getattr(self.relay, "_thread", None) is None:
+        if self.relay is not None:
             self.relay.start()
         if self.urls:
             from eagle3kit.capture.server import check_capture_server
