@@ -4,13 +4,18 @@
   2. ``train`` from those files (seed 0, and seed 1 for the spread of two trainings of one recipe);
   3. ``train --live``: a capture server colocated on the same GPU streams the same conversations to the trainer;
   4. with ``--fault-after S``: a live training whose capture server is killed with SIGKILL S seconds into its steps;
-  5. ``mla`` (#46): the file run's data, recipe, seed and steps with the MLA head (Eagle3DeepseekV2ForCausalLM) in
+  5. ``busy``: the file run's data, recipe, seed and steps, while a capture server beside it on the same GPU captures
+     the training conversations at the live run's pace and drops them: the load the live run's server puts on the GPU
+     and the host, without the stream; live over busy is what the stream itself costs, busy over file what sharing
+     the GPU with a capture server costs (``--busy-rate``: captures per second when no live run came before);
+  6. ``mla`` (#46): the file run's data, recipe, seed and steps with the MLA head (Eagle3DeepseekV2ForCausalLM) in
      place of the Llama head; SmolLM2 is no MLA target, so the head's MLA sizes are set here (``MLA``: the rope and
      latent sizes SGLang's triton MLA kernels compile for, 9 heads as SmolLM2's attention).
 Prints every figure; ``--out`` gets metrics.json: ``live_vs_file_tau_rel_diff`` (held-out tau at serving steps),
 ``file_seed_tau_rel_diff`` (the yardstick), ``live_train_tokens_per_s_ratio`` (live over file, optimizer steps
 only), ``live_wait_share``, ``live_hidden_state_bytes_on_disk``, ``live_peak_host_mb`` against ``live_stream_bound_mb``,
-and the fault run's ``fault_live_samples_lost`` / ``_duplicated`` / ``fault_live_server_restarts``.
+``busy_train_tokens_per_s_ratio`` (busy over file) and ``live_vs_busy_train_tokens_per_s_ratio``, and the fault run's
+``fault_live_samples_lost`` / ``_duplicated`` / ``fault_live_server_restarts``.
 
 usage: python benchmarks/live_train.py --out DIR [--samples 2000] [--steps 400] [--fault-after 30]
        python benchmarks/live_train.py --served STEP   (05_acceptance's folder of gpu_record.sh's liveserve phase: the
@@ -80,6 +85,60 @@ def killer(out: Path, after_s: float, log: list) -> None:
             pass
 
 
+def colocated_load(rate: float, stop: threading.Event, ready: threading.Event, folder: Path, a, log: dict) -> None:
+    """A capture server on port 30051 capturing the training conversations at ``rate`` per second (cycling through
+    them) and dropping each capture as it lands, until ``stop``; ``ready`` once it answers. ``log``: what it did."""
+    try:
+        _load(rate, stop, ready, folder, a, log)
+    except Exception as e:  # noqa: BLE001 - reported in the busy run's figures; the training goes on without load
+        log["busy_error"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        ready.set()
+
+
+def _load(rate, stop, ready, folder, a, log) -> None:
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from eagle3kit.capture.client import CaptureClient
+    from eagle3kit.capture.server import capture_server, stop_all
+    from eagle3kit.extract import load_samples
+    from eagle3kit.pipeline import default_aux
+    from eagle3kit.target import TargetInfo, resolve_target
+
+    path = resolve_target("embedded:smollm2")
+    rendered, _ = load_samples("embedded:sharegpt", AutoTokenizer.from_pretrained(path), a.samples, a.max_tokens)
+    ids = [s.input_ids for s in rendered if s.split == "train"]
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "samples").mkdir(parents=True)
+    server = capture_server(path, folder / "samples", default_aux(TargetInfo.read(path).num_layers), port=30051,
+                            extra_args=SERVER, log_path=folder.parent / f"{folder.name}-sglang.log")
+    try:
+        server.start().wait_healthy()
+        client = CaptureClient([server.url], folder / "samples")
+        t0, sent, done = time.time(), [0], [0]
+        ready.set()
+
+        def take(n):
+            if stop.is_set():
+                return None
+            due = min(n, int((time.time() - t0) * rate) + 1 - sent[0])
+            got = [(f"busy-{sent[0] + j}", ids[(sent[0] + j) % len(ids)]) for j in range(max(0, due))]
+            sent[0] += len(got)
+            return got
+
+        def drop(key, marker):
+            done[0] += marker.get("status") == "ok"
+            client.clear(key)
+        client.capture_stream(take, concurrency=64, on_done=drop)
+        log.update(busy_captures_sent=sent[0], busy_captures_ok=done[0], busy_seconds=time.time() - t0)
+    finally:
+        stop_all([server])
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def served(step: Path) -> dict:
     """SGLang's accept lengths at 05's serving setting, from 05's metrics.json (a complete or a cut run's, which
     ``record_partial`` summarised), as relative differences against the file-trained drafter: the live one (main),
@@ -102,6 +161,39 @@ def served(step: Path) -> dict:
     return res
 
 
+def summarise(runs: dict, res: dict) -> None:
+    """The comparisons of the runs so far, into ``res`` (written after every run: a run cut by the phase's limit
+    keeps the figures of the runs before it)."""
+    tau = {k: v.get("heldout_tau_3") for k, v in runs.items()}
+    if "file" in runs and "live" in runs:
+        f, lv = runs["file"], runs["live"]
+        res.update(file_tau_3=tau["file"], live_tau_3=tau["live"],
+                   live_vs_file_tau_rel_diff=abs(tau["live"] - tau["file"]) / tau["file"],
+                   file_train_tokens_per_s=f["train_tokens_per_s"], live_train_tokens_per_s=lv["train_tokens_per_s"],
+                   live_train_tokens_per_s_ratio=lv["train_tokens_per_s"] / f["train_tokens_per_s"],
+                   file_data_wait_fraction=f["train_data_wait_fraction"],
+                   **{k: v for k, v in lv.items() if k.startswith("live_") and isinstance(v, (int, float, str))})
+        res["live_peak_host_mb"] = lv["live_peak_stream_mb"]
+    if "seed1" in runs and "file" in runs:
+        res.update(seed1_tau_3=tau["seed1"], file_seed_tau_rel_diff=abs(tau["seed1"] - tau["file"]) / tau["file"])
+    if "mla" in runs and "file" in runs:
+        res.update(mla_tau_3=tau["mla"], mla_vs_llama_tau_rel_diff=(tau["mla"] - tau["file"]) / tau["file"],
+                   mla_train_tokens_per_s=runs["mla"]["train_tokens_per_s"])
+    if "busy" in runs and "file" in runs:
+        b = runs["busy"]
+        res.update(busy_train_tokens_per_s=b["train_tokens_per_s"], busy_tau_3=tau["busy"],
+                   busy_train_tokens_per_s_ratio=b["train_tokens_per_s"] / runs["file"]["train_tokens_per_s"],
+                   **{k: v for k, v in b.items() if k.startswith("busy_") and isinstance(v, (int, float))})
+        if "live" in runs:
+            res["live_vs_busy_train_tokens_per_s_ratio"] = (runs["live"]["train_tokens_per_s"]
+                                                            / b["train_tokens_per_s"])
+    if "fault" in runs:
+        fr = runs["fault"]
+        res.update({f"fault_{k}": v for k, v in fr.items() if k.startswith("live_") and isinstance(v, (int, float))})
+        res.update(fault_train_steps=fr["train_steps"], fault_kills=len(fr["kills"]),
+                   fault_kill_at_s=fr["kills"][0]["at_s"] if fr["kills"] else -1, fault_tau_3=tau["fault"])
+
+
 def main(argv=None):
     from eagle3kit.drafter.train import TrainConfig, train
     from eagle3kit.metrics import update_json
@@ -117,8 +209,10 @@ def main(argv=None):
     p.add_argument("--stream-gb", type=float, default=4.0)
     p.add_argument("--tokens-per-batch", type=int, default=4096)
     p.add_argument("--fault-after", type=float, default=0, help="seconds into the fault run's steps (0: no fault run)")
+    p.add_argument("--busy-rate", type=float, default=20.0,
+                   help="busy run: captures per second when no live run came before it (else the live run's pace)")
     p.add_argument("--only", nargs="*", default=["file", "seed1", "live", "fault"],
-                   help="runs, in order: file, seed1, live, fault, mla")
+                   help="runs, in the order given: file, seed1, live, busy, fault, mla")
     a = p.parse_args(argv)
     if a.served:
         return served(Path(a.served))
@@ -135,11 +229,11 @@ def main(argv=None):
                             progress=False)
         res.update(extract_seconds=time.time() - t0, extract_samples=ex["written"], extract_bytes=ex["bytes"])
     runs = {}
-    ram = ram_folder(2 * a.stream_gb + 2) if {"live", "fault"} & set(a.only) else None
+    ram = ram_folder(2 * a.stream_gb + 2) if {"live", "fault", "busy"} & set(a.only) else None
     res["live_ram_folder"] = str(ram)
     for name in a.only:
         cfg = {**recipe(a), "out_dir": str(work / name)}
-        if name in ("file", "seed1", "mla"):
+        if name in ("file", "seed1", "mla", "busy"):
             cfg.update(data=str(data), seed=1 if name == "seed1" else 0, **(MLA if name == "mla" else {}))
         else:
             cfg.update(data="embedded:sharegpt", live=live_settings(a, 30031 if name == "fault" else 30041,
@@ -149,37 +243,34 @@ def main(argv=None):
             if not a.fault_after:
                 continue
             threading.Thread(target=killer, args=(work / name, a.fault_after, kill_log), daemon=True).start()
+        load: dict = {}
+        if name == "busy":  # the live run's captures per second of its wall time, its setup's captures included
+            lv = runs.get("live")
+            rate = lv["live_samples_captured"] / lv["wall_seconds"] if lv else a.busy_rate
+            stop, ready = threading.Event(), threading.Event()
+            loader = threading.Thread(target=colocated_load, args=(rate, stop, ready, ram / "eagle3kit-busy", a, load))
+            loader.start()
+            ready.wait()
+            load["busy_rate_per_s"] = rate
         t0 = time.time()
-        s = train(TrainConfig.from_dict(cfg))
+        try:
+            s = train(TrainConfig.from_dict(cfg))
+        finally:
+            if name == "busy":
+                stop.set()
+                loader.join()
         s["wall_seconds"] = time.time() - t0
         s["kills"] = kill_log
+        s.update(load)
         runs[name] = s
         (out / f"train-{name}.json").write_text(json.dumps(s, indent=1, sort_keys=True, default=str))
         for f in ("train_log.jsonl", "evals.jsonl", "sglang.log"):
             if (work / name / f).exists():
                 os.system(f"gzip -c {work / name / f} > {out / f'{name}-{f}.gz'}")
+        summarise(runs, res)
+        update_json(out / "metrics.json", res)
         print(f"[{name}] {s['train_steps']} steps, {s['train_tokens_per_s']:,.0f} tokens/s, tau_3 "
               f"{s.get('heldout_tau_3')}, wall {s['wall_seconds']:.0f} s", flush=True)
-    tau = {k: v.get("heldout_tau_3") for k, v in runs.items()}
-    if "file" in runs and "live" in runs:
-        f, lv = runs["file"], runs["live"]
-        res.update(file_tau_3=tau["file"], live_tau_3=tau["live"],
-                   live_vs_file_tau_rel_diff=abs(tau["live"] - tau["file"]) / tau["file"],
-                   file_train_tokens_per_s=f["train_tokens_per_s"], live_train_tokens_per_s=lv["train_tokens_per_s"],
-                   live_train_tokens_per_s_ratio=lv["train_tokens_per_s"] / f["train_tokens_per_s"],
-                   file_data_wait_fraction=f["train_data_wait_fraction"],
-                   **{k: v for k, v in lv.items() if k.startswith("live_") and isinstance(v, (int, float, str))})
-        res["live_peak_host_mb"] = lv["live_peak_stream_mb"]
-    if "seed1" in runs and "file" in runs:
-        res.update(seed1_tau_3=tau["seed1"], file_seed_tau_rel_diff=abs(tau["seed1"] - tau["file"]) / tau["file"])
-    if "mla" in runs and "file" in runs:
-        res.update(mla_tau_3=tau["mla"], mla_vs_llama_tau_rel_diff=(tau["mla"] - tau["file"]) / tau["file"],
-                   mla_train_tokens_per_s=runs["mla"]["train_tokens_per_s"])
-    if "fault" in runs:
-        fr = runs["fault"]
-        res.update({f"fault_{k}": v for k, v in fr.items() if k.startswith("live_") and isinstance(v, (int, float))})
-        res.update(fault_train_steps=fr["train_steps"], fault_kills=len(fr["kills"]),
-                   fault_kill_at_s=fr["kills"][0]["at_s"] if fr["kills"] else -1, fault_tau_3=tau["fault"])
     res["bench_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     for k, v in res.items():
         print(f"{k:40s} {v}")
