@@ -97,18 +97,13 @@ class SGLangServer:
             return "(no log)"
 
     def wait_healthy(self, timeout: float | None = None) -> float:
-        import requests
-
         deadline = time.time() + (timeout or self.startup_timeout)
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise ServerError(f"SGLang exited with code {self.proc.returncode} while starting; log "
                                   f"{self.log_path}:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.time() - self.started
-            except requests.RequestException:
-                pass
+            if healthy(self.url):
+                return time.time() - self.started
             time.sleep(1)
         self.stop()
         raise ServerError(f"SGLang not healthy after {timeout or self.startup_timeout:.0f} s; log {self.log_path}:\n"
@@ -138,6 +133,16 @@ def answers(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
         return s.connect_ex((host, port)) == 0
+
+
+def healthy(url: str, timeout: float = 5.0) -> bool:
+    """Whether the SGLang server at ``url`` answers its /health with 200 within ``timeout`` seconds."""
+    import requests
+
+    try:
+        return requests.get(url.rstrip("/") + "/health", timeout=timeout).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def plugin_problem(env: dict | None = None) -> str | None:

@@ -65,6 +65,7 @@ class SGLangFeeder:
         self.relay = relay  # live.relay.RelayReceiver: the urls write on other hosts, their samples come here
         self.server = None
         self.restarts = 0
+        self.dying_s = 30.0  # recover(): how long a server that refuses requests may take to exit or answer again
 
     def prepare(self, samples_dir: Path) -> None:
         samples_dir.mkdir(parents=True, exist_ok=True)
@@ -89,12 +90,24 @@ class SGLangFeeder:
             take, self.concurrency, on_done=on_done)
 
     def recover(self, reason: str) -> bool:
-        """A server started here that died: started again (its captures in flight are asked again by the stream).
-        Running servers (``urls``) are someone else's: their failures are retried on the next one."""
-        if self.server is None or self.server.proc is None or self.server.proc.poll() is None:
+        """A server started here that died, or that no longer answers its /health: started again (its captures in
+        flight are asked again by the stream). A SIGKILLed server refuses connections a moment before its process
+        can be reaped (its GPU memory is released first): so a failure while the process still runs waits up to
+        ``dying_s`` for it to exit or to answer, and only a server that answers is left alone. Running servers
+        (``urls``) are someone else's: their failures are retried on the next one."""
+        if self.server is None or self.server.proc is None:
             return False
-        print(f"[live] the capture server died (exit {self.server.proc.returncode}; {reason[:200]}): starting it "
-              f"again", flush=True)
+        from eagle3kit.capture.server import healthy
+
+        proc, deadline = self.server.proc, time.time() + self.dying_s
+        while proc.poll() is None:
+            if healthy(self.server.url):
+                return False
+            if time.time() > deadline:
+                break
+            time.sleep(0.2)
+        state = f"exit {proc.returncode}" if proc.returncode is not None else f"no answer for {self.dying_s:.0f} s"
+        print(f"[live] the capture server died ({state}; {reason[:200]}): starting it again", flush=True)
         self.server.stop()
         self.server = self.start_server()
         self.restarts += 1
