@@ -16,7 +16,7 @@ BREAKEVEN_RUNS = ["gpu-breakeven-1", "gpu-breakeven-sync", "gpu-breakeven-bcg-1"
 CAPTURE_RUNS = ["gpu-benchmark-prefill-graph", "gpu-benchmark-graph-fp8", "gpu-benchmark-fp8-fused",
                 "gpu-benchmark-xxh3-shares"]
 
-LIVE_RUNS = ["gpu-live-vs-file", "gpu-live-vs-file-2"]
+LIVE_RUNS = ["gpu-live-vs-file", "gpu-live-vs-file-2", "gpu-live-vs-file-3"]
 LIVESERVE = "run/05_acceptance/metrics.json"
 
 # claim -> (metrics.json path inside each run, metric key, runs)
@@ -79,11 +79,24 @@ SINGLE = {
         ("gpu-liveserve", LIVESERVE, k) for k in (
             "file_accept_length", "seed1_accept_length", "live_accept_length", "live_vs_file_accept_rel_diff",
             "file_seed_accept_rel_diff")],
-    "MLA head vs Llama head on SmolLM2": [("gpu-live-vs-file-2", "metrics.json", k) for k in (
-        "mla_tau_3", "mla_vs_llama_tau_rel_diff", "mla_train_tokens_per_s")] + [
-        ("gpu-liveserve", LIVESERVE, k) for k in ("mla_accept_length", "mla_vs_llama_accept_rel_diff")],
+    "live vs file (third run, 500 steps; busy: the file run beside a capture server)": [
+        ("gpu-live-vs-file-3", "metrics.json", k) for k in (
+            "file_tau_3", "seed1_tau_3", "live_tau_3", "busy_tau_3", "live_vs_file_tau_rel_diff",
+            "file_seed_tau_rel_diff", "busy_train_tokens_per_s_ratio", "live_vs_busy_train_tokens_per_s_ratio",
+            "busy_rate_per_s")] + [
+        ("gpu-liveserve-2", LIVESERVE, k) for k in (
+            "file_accept_length", "seed1_accept_length", "live_accept_length", "live_vs_file_accept_rel_diff",
+            "file_seed_accept_rel_diff", "online_speedup", "plain_tokens_per_s")],
+    "MLA head vs Llama head on SmolLM2": [(run, "metrics.json", k) for run in ("gpu-live-vs-file-2", "gpu-live-vs-file-3")
+                                          for k in ("mla_tau_3", "mla_vs_llama_tau_rel_diff", "mla_train_tokens_per_s")]
+    + [(run, LIVESERVE, k) for run in ("gpu-liveserve", "gpu-liveserve-2")
+       for k in ("mla_accept_length", "mla_vs_llama_accept_rel_diff", "mla_speedup")],
     "MLA load proof, tiny DeepSeek-V3, EAGLE-3.1": [
         ("gpu-mla-tiny-2", "deepseek-mla31/05_acceptance/metrics.json", k) for k in (
+            "export_params_checked", "export_params_unloaded", "mla_logits_max_rel_err", "mla_logits_argmax_agreement",
+            "fed_layer_ids", "offbyone_fed_layer_ids", "offbyone_doctor_ok", "online_accept_length")],
+    "MLA load proof, tiny Kimi-K2.5, EAGLE-3.1": [
+        ("gpu-mla-tiny-3", "kimi-mla31/05_acceptance/metrics.json", k) for k in (
             "export_params_checked", "export_params_unloaded", "mla_logits_max_rel_err", "mla_logits_argmax_agreement",
             "fed_layer_ids", "offbyone_fed_layer_ids", "offbyone_doctor_ok", "online_accept_length")],
     "prefill-graph data vs default data, held-out tau(3)": [

@@ -1023,7 +1023,7 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     plan = experiment.OnlinePlan(target="embedded:smollm2", drafter="d", sweep_steps=(3,), trees=(), offbyone=False,
                                  proof=False, concurrencies=(1, 8), prompts_per_conc={1: 2, 8: 4}, rounds=1,
                                  variants={"adaptive": ["--speculative-adaptive"],
-                                           "fi": ["--attention-backend", "flashinfer"]})
+                                           "fi": ["--attention-backend", "flashinfer"]}, port=31300)
 
     class Srv:
         def __init__(self, url):
@@ -1034,7 +1034,9 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
 
     names = [s.name for s in experiment.servings(plan, tmp_path)]
     assert names == ["plain", "main", "main-adaptive", "plain-fi", "main-fi"]
-    monkeypatch.setattr(online, "start_servers", lambda *a, **k: {"servers": {n: Srv(n) for n in names}, "failed": {}})
+    ports = []  # the plan's port: two runs on one GPU (gpu-mla-tiny-3's lanes) otherwise bind the same ports
+    monkeypatch.setattr(online, "start_servers", lambda *a, **k: ports.append(a[3]) or {
+        "servers": {n: Srv(n) for n in names}, "failed": {}})
     seen = {}
 
     def fake_measure_servers(timed, max_new_tokens, rounds, after_round=None, lost=None):
@@ -1046,6 +1048,7 @@ def test_a_speculative_only_variant_is_timed_and_summarized_at_every_concurrency
     monkeypatch.setattr(online, "measure_servers", fake_measure_servers)
     experiment.run(plan, [[1, 2]] * 4, tmp_path / "online", log=lambda *_: None)
     assert seen == {"plain": [1, 8], "main": [1, 8], "main-adaptive": [1, 8], "plain-fi": [1], "main-fi": [1]}
+    assert ports == [31300]
     # the data set's replies to batch 1's two prompts reach the comparison; a failing decoder costs nothing else
 
     def with_outputs(timed, max_new_tokens, rounds, after_round=None, lost=None):

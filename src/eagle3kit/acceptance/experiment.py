@@ -52,6 +52,7 @@ class OnlinePlan:
     max_new_tokens: int = 256
     rounds: int = 2
     server_args: tuple = ("--attention-backend", "triton", "--sampling-backend", "pytorch")
+    port: int = 31000  # the first server's port; the others take the next ones (one per server)
     variants: dict = field(default_factory=dict)  # name -> extra server args for plain and main (batch 1), e.g.
     # {"flashinfer": ["--attention-backend", "flashinfer"]}; a variant of speculative flags only (e.g. {"adaptive":
     # ["--speculative-adaptive"]}) is main served otherwise, timed at every concurrency as main is
@@ -154,8 +155,8 @@ def run(plan: OnlinePlan, prompts: list[list[int]], work, log=print, on_proof=No
         untrained_like(plan.drafter, plan.target, work / "untrained")
     specs = servings(plan, work)
     t0 = time.time()
-    started = online.start_servers(plan.target, specs, work / "logs", common_args=[*plan.server_args,
-                                                                                 *online.shared_gpu_args()])
+    started = online.start_servers(plan.target, specs, work / "logs", plan.port,
+                                   common_args=[*plan.server_args, *online.shared_gpu_args()])
     servers, failed = started["servers"], started["failed"]
     log(f"{len(servers) - len(failed)} of {len(servers)} servers healthy after {time.time() - t0:.0f} s; failed: "
         f"{sorted(failed)}")
