@@ -18,8 +18,10 @@ L - 1: every position with a preceding state), loss-masked or not, never padding
 B: ``document_ids != -1`` after shift_batch. Time per optimizer step, waiting for data included (A: train_log.jsonl,
 without evaluation, checkpoints, export; B: end of one step to the end of the next, GPU synchronized). The first
 ``--warmup`` steps of each round (worker start, warm-up, B's compile) are left out of the figure.
-Each pass runs in its own process, A then B, ``--rounds`` times; one that fails or outlasts ``--timeout-s`` is
-reported (``train_error`` / ``speculators_error``), never hangs the run. On ``--device cpu`` B needs two patches in
+Each pass runs in its own process, A then B, ``--rounds`` times (on ``--device cpu`` forked from a process that
+imported torch, transformers, eagle3kit and speculators once: those imports take ~15 s of a CPU pass; on a GPU each
+pass starts a fresh interpreter, so that nothing touched CUDA before the fork); one that fails or outlasts
+``--timeout-s`` is reported (``train_error`` / ``speculators_error``), never hangs the run. On ``--device cpu`` B needs two patches in
 its process (settings: cpu_patches): speculators' Trainer moves model and batches to ``get_local_rank()`` (an int,
 i.e. cuda:N), set to "cpu", and its step timer calls torch.accelerator.synchronize(), made a no-op.
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -302,27 +305,47 @@ def child(a) -> None:
     os._exit(0)  # skip native teardown (Arrow thread pools can abort at exit: tests/conftest.py)
 
 
+PRELOAD = ["torch", "transformers", "eagle3kit.drafter.train", "speculators.models.eagle3"]
+
+
+def pass_process(argv: list, log: str) -> None:
+    """A pass's process: its own session (killed whole on a timeout, DataLoader workers included), its output into
+    ``log``; ``main`` then runs the pass (``child``) and exits."""
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    main(argv)
+
+
+def pass_context(device: str):
+    """Where passes start: forked from a server that imported ``PRELOAD`` (CPU), or spawned fresh (GPU)."""
+    if not device.startswith("cpu"):
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def run_pass(a, argv, name: str, rnd: int, say) -> dict:
     out = Path(a.out)
     for p in (out / f"{name}-r{rnd}", out / f"{name}-r{rnd}.json"):  # a fresh run: train() resumes otherwise
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     log = out / "logs" / f"{name}-r{rnd}.log"
     t, timed_out = time.time(), False
-    with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, __file__, *argv, "--child", name, "--round", str(rnd)], stdout=f,
-                             stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            p.wait(timeout=a.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # the pass (on a timeout) and any DataLoader worker it left behind
-        except ProcessLookupError:
-            pass
-        p.wait()
+    p = pass_context(a.device).Process(target=pass_process, args=([*argv, "--child", name, "--round", str(rnd)],
+                                                                  str(log)))
+    p.start()
+    p.join(a.timeout_s)
+    timed_out = p.is_alive()
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # the pass (on a timeout) and any DataLoader worker it left behind
+    except ProcessLookupError:
+        pass
+    p.join()
     res_file = out / f"{name}-r{rnd}.json"
     r = json.loads(res_file.read_text()) if res_file.exists() else \
-        {"error": (f"killed after --timeout-s {a.timeout_s}" if timed_out else f"exit {p.returncode}") + "; log tail: "
+        {"error": (f"killed after --timeout-s {a.timeout_s}" if timed_out else f"exit {p.exitcode}") + "; log tail: "
                   + " | ".join(log.read_text(errors="replace").strip().splitlines()[-5:])[-1500:]}
     r["wall_s"] = round(time.time() - t, 1)
     wait = f", waiting for data {r['data_wait_fraction']:.0%} of the time" if "data_wait_fraction" in r else ""
