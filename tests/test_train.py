@@ -704,8 +704,10 @@ def test_the_best_checkpoint_is_chosen_on_validation_samples_and_the_held_out_sp
 def test_an_evaluation_runs_the_targets_full_head_once_per_batch(small_dataset, tmp_path, monkeypatch):
     """The full head (V columns) gives each held-out row's greedy token once; later evaluations of the same source
     compute only the draft vocabulary's columns, and count the same (the untrained drafter: nothing changed)."""
+    from eagle3kit.drafter import objective
     from eagle3kit.drafter.train import evaluate, setup
 
+    monkeypatch.setattr(objective, "KNOWN_MAX_BYTES", 0)  # this run's own tokens, not another training's in this process
     run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "e"), **TINY))
     calls = []
     real = run.head.logits
@@ -723,9 +725,11 @@ def test_later_epochs_run_the_targets_full_head_only_for_samples_not_seen(small_
     """teacher_cache_gb: an epoch's second pass over a sample takes its greedy tokens from the first (the full head's
     V columns computed once a row), and the run ends with the weights of a run that computed them every step. Also
     a sample cut shorter in one batch than in another, and the bound."""
+    from eagle3kit.drafter import objective
     from eagle3kit.drafter.objective import TeacherTokens
     from eagle3kit.drafter.train import setup
 
+    monkeypatch.setattr(objective, "KNOWN_MAX_BYTES", 0)  # each run's own full-head rows (known_greedy_tokens off)
     run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "probe"), **TINY))
     per_epoch = len(D.plan([run.train_src.length(i) for i in range(len(run.train_src))], TINY["tokens_per_batch"], 0))
     steps = per_epoch + 3  # into the second epoch
@@ -756,3 +760,34 @@ def test_later_epochs_run_the_targets_full_head_only_for_samples_not_seen(small_
     assert c.lookup(batch((3, 2), (3, 2)), "cpu").tolist() == [1, 2, 1, 2]  # the same sample twice, back to back
     c.store(batch((7, 5)), torch.arange(5))  # 6 rows held, 5 more pass the 10-row bound: not kept
     assert 7 not in c.rows and c.bytes == 4 * 6
+
+
+def test_the_greedy_tokens_of_the_same_rows_and_head_are_computed_once_in_a_process(target_path, monkeypatch):
+    """known_greedy_tokens: rows seen before under a head of the same source come back without the full head; rows
+    that differ in one value, another source, or a head of no known source are computed; the bound drops the oldest."""
+    from eagle3kit.drafter import objective
+    from eagle3kit.drafter.model import TargetHead
+
+    monkeypatch.setattr(objective, "_known", type(objective._known)())
+    head = TargetHead.from_target(target_path).placed("cpu")
+    calls = []
+    real = head.logits
+    monkeypatch.setattr(head, "logits", lambda x: calls.append(x.shape[0]) or real(x))
+    rows = torch.randn(5, head.weight.shape[1])
+    first = objective.known_greedy_tokens(head, rows)
+    assert torch.equal(first, objective.greedy_tokens(head, rows)) and calls == [5, 5]
+    assert torch.equal(objective.known_greedy_tokens(head, rows.clone()), first) and calls == [5, 5]  # remembered
+    changed = rows.clone()
+    changed[3, 7] += 1.0
+    objective.known_greedy_tokens(head, changed)
+    assert calls == [5, 5, 5]  # one value differs: computed
+    other = TargetHead.from_target(target_path).placed("cpu")
+    other.source = ("another target",)
+    monkeypatch.setattr(other, "logits", lambda x: calls.append(x.shape[0]) or real(x))
+    objective.known_greedy_tokens(other, rows)
+    other.source = None
+    objective.known_greedy_tokens(other, rows)
+    assert calls == [5, 5, 5, 5, 5]
+    monkeypatch.setattr(objective, "KNOWN_MAX_BYTES", 8 * 5)  # one entry's tokens: the oldest go
+    objective.known_greedy_tokens(head, rows[:2])
+    assert len(objective._known) == 1

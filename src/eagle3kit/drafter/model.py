@@ -153,6 +153,7 @@ class TargetHead(torch.nn.Module):
         self.register_buffer("weight", lm_head_weight.detach().clone())
         self.eps = eps
         self.final_normed = False
+        self.source: tuple | None = None  # where the weights came from (from_target): known_greedy_tokens's key
 
     @classmethod
     def from_target(cls, target_path) -> "TargetHead":
@@ -163,7 +164,10 @@ class TargetHead(torch.nn.Module):
         if "model.norm.weight" not in w:
             raise DrafterError(f"{target_path}: no final norm weight (model.norm.weight) in the target's files")
         cfg = layer_config(target_path)
-        return cls(w["model.norm.weight"], w.get("lm_head.weight", w["embed_tokens.weight"]), cfg.rms_norm_eps)
+        head = cls(w["model.norm.weight"], w.get("lm_head.weight", w["embed_tokens.weight"]), cfg.rms_norm_eps)
+        files = sorted(Path(target_path).glob("*.safetensors"))
+        head.source = (str(Path(target_path).resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+        return head
 
     def placed(self, device) -> "TargetHead":
         """On ``device``; float32 on a CPU (bf16 matmuls are slow there), the stored dtype on a GPU."""

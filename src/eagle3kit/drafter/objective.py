@@ -18,6 +18,8 @@ Step k's loss is weighted ``step_decay ** k`` (speculators 1.0, SpecForge/EAGLE 
 """
 from __future__ import annotations
 
+import collections
+import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -117,6 +119,30 @@ class TeacherTokens:
 def greedy_tokens(head, final: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
     """The target's greedy token (full vocabulary) at each of the rows [S, H], ``chunk`` rows of logits at a time."""
     return torch.cat([head.logits(final[a:a + chunk]).argmax(-1) for a in range(0, final.shape[0], chunk)])
+
+
+KNOWN_MAX_BYTES = 256 << 20
+_known: collections.OrderedDict = collections.OrderedDict()  # (head, rows' digest) -> greedy tokens, on the CPU
+
+
+def known_greedy_tokens(head, final: torch.Tensor) -> torch.Tensor:
+    """``greedy_tokens``, remembered for this process by the head's source and the rows' bytes (up to
+    ``KNOWN_MAX_BYTES``, oldest dropped first): a later training on the same data set in the same process (a
+    notebook run again, the tests' many short trainings) does not run the full head over the same held-out and
+    validation batches again; on a CPU that is seconds a training. A head of no known source is never remembered."""
+    if getattr(head, "source", None) is None or KNOWN_MAX_BYTES <= 0:
+        return greedy_tokens(head, final)
+    rows = final.detach().contiguous()
+    key = (head.source, head.final_normed, str(head.weight.dtype), str(rows.dtype), tuple(rows.shape),
+           hashlib.blake2b(rows.cpu().view(torch.uint8).numpy(), digest_size=16).digest())
+    got = _known.get(key)
+    if got is None:
+        got = _known[key] = greedy_tokens(head, rows).cpu()
+        while sum(t.numel() * t.element_size() for t in _known.values()) > KNOWN_MAX_BYTES and len(_known) > 1:
+            _known.popitem(last=False)
+    else:
+        _known.move_to_end(key)
+    return got.to(final.device)
 
 
 def valid_rows(loss_mask: torch.Tensor, doc_ids: torch.Tensor, k: int) -> torch.Tensor:
