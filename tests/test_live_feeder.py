@@ -50,9 +50,10 @@ def health_url():
 
 
 def test_a_server_still_exiting_when_its_requests_fail_is_started_again():
-    """The GPU fault run (outputs/records/gpu-live-vs-file-3): the SIGKILLed server refused connections while its process had not exited yet; the old check
-    (exited?) said no, the stream asked again at once, and one sample's five attempts were spent in milliseconds:
-    the run stopped without a restart. Now the feeder waits for the process to exit (here 1 s)."""
+    """The GPU fault run (outputs/records/gpu-live-vs-file-3): the SIGKILLed server refused connections while its
+    process had not exited yet; the old check (exited?) said no, the stream asked again at once, and one sample's five
+    attempts were spent in milliseconds: the run stopped without a restart. Now the feeder waits for the process to
+    exit (here 1 s)."""
     dying = Server(1.0, f"http://127.0.0.1:{free_port()}")  # nothing answers there
     f = feeder(dying)
     assert f.recover("ConnectionError: refused") is True
