@@ -17,7 +17,7 @@ def setting(target_path):
     prompts = spec.probe_prompts(tok, 4, 60, 200, seed=3)
     ref = ReferenceEngine(target_path, [2, 15, 27], final_normed=True)
     b16 = ReferenceEngine(target_path, [2, 15, 27], final_normed=True, dtype="bfloat16")
-    bounds = spec.calibrate_bounds(ref, dict(list(prompts.items())[:2]))
+    bounds = spec.calibrate_bounds(ref, dict(list(prompts.items())[:2]), b16=b16)  # one bf16 engine for all
     keys = list(prompts)
     caps = {k: {**{n: t.to(torch.bfloat16) for n, t in b16.hidden(prompts[k]).items() if n != "token_ids"},
                 "token_ids": torch.tensor(prompts[k])} for k in keys}
