@@ -769,6 +769,7 @@ def test_the_greedy_tokens_of_the_same_rows_and_head_are_computed_once_in_a_proc
     from eagle3kit.drafter.model import TargetHead
 
     monkeypatch.setattr(objective, "_known", type(objective._known)())
+    monkeypatch.setattr(objective, "_known_bytes", [0])
     head = TargetHead.from_target(target_path).placed("cpu")
     calls = []
     real = head.logits

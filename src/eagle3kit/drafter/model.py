@@ -165,8 +165,8 @@ class TargetHead(torch.nn.Module):
             raise DrafterError(f"{target_path}: no final norm weight (model.norm.weight) in the target's files")
         cfg = layer_config(target_path)
         head = cls(w["model.norm.weight"], w.get("lm_head.weight", w["embed_tokens.weight"]), cfg.rms_norm_eps)
-        files = sorted(Path(target_path).glob("*.safetensors"))
-        head.source = (str(Path(target_path).resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+        files = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(target_path).glob("*.safetensors"))]
+        head.source = (str(Path(target_path).resolve()), *files)
         return head
 
     def placed(self, device) -> "TargetHead":

@@ -123,6 +123,7 @@ def greedy_tokens(head, final: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
 
 KNOWN_MAX_BYTES = 256 << 20
 _known: collections.OrderedDict = collections.OrderedDict()  # (head, rows' digest) -> greedy tokens, on the CPU
+_known_bytes = [0]
 
 
 def known_greedy_tokens(head, final: torch.Tensor) -> torch.Tensor:
@@ -138,8 +139,10 @@ def known_greedy_tokens(head, final: torch.Tensor) -> torch.Tensor:
     got = _known.get(key)
     if got is None:
         got = _known[key] = greedy_tokens(head, rows).cpu()
-        while sum(t.numel() * t.element_size() for t in _known.values()) > KNOWN_MAX_BYTES and len(_known) > 1:
-            _known.popitem(last=False)
+        _known_bytes[0] += got.numel() * got.element_size()
+        while _known_bytes[0] > KNOWN_MAX_BYTES and len(_known) > 1:
+            _, old = _known.popitem(last=False)
+            _known_bytes[0] -= old.numel() * old.element_size()
     else:
         _known.move_to_end(key)
     return got.to(final.device)
