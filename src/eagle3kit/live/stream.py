@@ -101,7 +101,7 @@ class SGLangFeeder:
 
         proc, deadline = self.server.proc, time.time() + self.dying_s
         while proc.poll() is None:
-            if healthy(self.server.url):
+            if healthy(self.server.url, timeout=20):  # SGLang answers /health after a generation step: busy, slower
                 return False
             if time.time() > deadline:
                 break
