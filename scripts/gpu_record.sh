@@ -154,8 +154,8 @@ PY
   return $rc
 }
 . scripts/phase_servers.sh
-strays() {  # SGLang servers a cut run of this phase left running (gpu-mla-tiny-2: the next run's servers, started on
-  # their ports, failed while the old ones answered its health checks); only under the chain, whose E3K_PHASE marks them
+strays() {  # SGLang servers a cut run of this phase left running: the next run's servers would fail on their ports
+  # while the old ones answered its health checks; only under the chain, whose E3K_PHASE marks them
   [ -n "${E3K_PHASE:-}" ] || return 0
   kill_servers_of "$E3K_PHASE"; sleep 2
 }

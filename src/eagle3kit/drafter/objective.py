@@ -130,8 +130,9 @@ def known_greedy_tokens(head, final: torch.Tensor) -> torch.Tensor:
     """``greedy_tokens``, remembered for this process by the head's source and the rows' bytes (up to
     ``KNOWN_MAX_BYTES``, oldest dropped first): a later training on the same data set in the same process (a
     notebook run again, the tests' many short trainings) does not run the full head over the same held-out and
-    validation batches again; on a CPU that is seconds a training. A head of no known source is never remembered."""
-    if getattr(head, "source", None) is None or KNOWN_MAX_BYTES <= 0:
+    validation batches again; on a CPU that is seconds a training. A head of no known source is never remembered, nor
+    are rows on a GPU: their copy to the host for the digest would cost more than the matmul."""
+    if getattr(head, "source", None) is None or KNOWN_MAX_BYTES <= 0 or final.device.type != "cpu":
         return greedy_tokens(head, final)
     rows = final.detach().contiguous()
     key = (head.source, head.final_normed, str(head.weight.dtype), str(rows.dtype), tuple(rows.shape),

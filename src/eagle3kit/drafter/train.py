@@ -33,8 +33,8 @@ from eagle3kit.drafter import data as D
 from eagle3kit.drafter import vocab as V
 from eagle3kit.drafter.checkpoint import atomic_save, load_checkpoint, rng_state, set_rng
 from eagle3kit.drafter.export import to_sglang
-from eagle3kit.drafter.objective import (ChainCounts, TeacherTokens, chain_count_tensor, greedy_tokens,
-                                         known_greedy_tokens, serving_walk,
+from eagle3kit.drafter.objective import (ChainCounts, TeacherTokens, chain_count_tensor, known_greedy_tokens,
+                                         serving_walk,
                                          step_loss, teacher, valid_rows)
 from eagle3kit.drafter.train_config import TrainConfig, TrainError
 from eagle3kit.store import cut_torn_tail
@@ -380,10 +380,8 @@ def forward_batch(run: Run, module, batch: dict, steps: int, with_loss: bool = T
     b = _to(batch, run.device)
     if teacher_token is None and cache is not None:
         teacher_token = cache.lookup(batch, run.device)
-        if teacher_token is None:  # on a CPU also remembered across trainings in this process (the full head is
-            # most of a CPU step); on a GPU the copy to the host for the rows' digest would cost more than it saves
-            full = known_greedy_tokens if torch.device(run.device).type == "cpu" else greedy_tokens
-            teacher_token = full(run.head, b["final"])
+        if teacher_token is None:  # on a CPU also remembered across trainings in this process
+            teacher_token = known_greedy_tokens(run.head, b["final"])
             cache.store(batch, teacher_token)
     t = teacher(run.head, b["final"], run.vocab_ids, run.t2d_index, token=teacher_token)
     rows = max(1, b["input_ids"].shape[0] // cfg.tokens_per_batch)  # data.collate_rows: rows of tokens_per_batch
