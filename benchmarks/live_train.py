@@ -20,6 +20,8 @@ only), ``live_wait_share``, ``live_hidden_state_bytes_on_disk``, ``live_peak_hos
 usage: python benchmarks/live_train.py --out DIR [--samples 2000] [--steps 400] [--fault-after 30]
        python benchmarks/live_train.py --served STEP   (05_acceptance's folder of gpu_record.sh's liveserve phase: the
        live drafter served as main, the file ones as controls "file" and "seed1", the MLA head as "mla")
+       python benchmarks/live_train.py --scale RUN --scale-data DATA   (gpu_record.sh's scale phase: one live run's
+       distinct samples beside what this disk holds as files, and its accept lengths in SGLang)
 """
 from __future__ import annotations
 
@@ -161,6 +163,41 @@ def served(step: Path) -> dict:
     return res
 
 
+def scale(run: Path, data: Path, disk: str = "/") -> dict:
+    """The scale phase's figures: ``run`` is an ``eagle3kit run`` folder whose 04_train trained live and whose
+    05_acceptance served it; ``data`` an extraction of some of the same conversations (files on this disk), whose mean
+    bytes per sample sizes what the live run's distinct samples would take as files. Merged into ``run``'s
+    metrics.json."""
+    import shutil
+
+    from eagle3kit.metrics import update_json
+
+    tr = json.loads((run / "04_train" / "metrics.json").read_text())
+    if "live_distinct_samples" not in tr:
+        raise SystemExit(f"{run}/04_train/metrics.json: no live_distinct_samples (04_train did not train live)")
+    rows = [json.loads(line) for line in (data / "manifest.jsonl").read_text().splitlines() if line.strip()]
+    if not rows:
+        raise SystemExit(f"{data}/manifest.jsonl: no samples (the extraction that sizes a file sample wrote none)")
+    per_sample = sum(r["bytes"] for r in rows) / len(rows)
+    total = shutil.disk_usage(disk).total
+    res = {"live_distinct_samples": tr["live_distinct_samples"], "file_bytes_per_sample": per_sample,
+           "file_bytes_per_sample_from": len(rows), "disk_total_gb": total / 1e9,
+           "disk_capacity_samples": int(total // per_sample),
+           "live_distinct_samples_as_files_gb": tr["live_distinct_samples"] * per_sample / 1e9,
+           "live_hidden_state_bytes_on_disk": tr.get("live_hidden_state_bytes_on_disk"),
+           "heldout_tau_3": tr.get("heldout_tau_3"), "train_steps": tr.get("train_steps")}
+    res["live_distinct_over_disk_capacity"] = res["live_distinct_samples"] / res["disk_capacity_samples"]
+    acc_path = run / "05_acceptance" / "metrics.json"
+    if acc_path.exists():
+        acc = json.loads(acc_path.read_text())
+        res.update({f"accept_length_{n}_1_{n + 1}": acc[f"steps{n}_accept_length"] for n in (3, 7)
+                    if f"steps{n}_accept_length" in acc})
+    for k, v in res.items():
+        print(f"{k:40s} {v}")
+    update_json(run / "metrics.json", res)
+    return res
+
+
 def summarise(runs: dict, res: dict) -> None:
     """The comparisons of the runs so far, into ``res`` (written after every run: a run cut by the phase's limit
     keeps the figures of the runs before it)."""
@@ -202,6 +239,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out")
     p.add_argument("--served", help="05_acceptance's folder of the liveserve phase: its accept-length figures only")
+    p.add_argument("--scale", help="an `eagle3kit run` folder whose 04_train trained live (gpu_record.sh's scale phase)")
+    p.add_argument("--scale-data", help="--scale: an extraction of some of the same conversations (file bytes/sample)")
     p.add_argument("--work", default="/root/work/live")
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--max-tokens", type=int, default=2048)
@@ -216,6 +255,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.served:
         return served(Path(a.served))
+    if a.scale:
+        if not a.scale_data:
+            p.error("--scale needs --scale-data (an extraction's folder: what a sample takes as a file)")
+        return scale(Path(a.scale), Path(a.scale_data))
     if not a.out:
         p.error("--out is required (or --served)")
     out, work = Path(a.out), Path(a.work)

@@ -6,6 +6,8 @@
 #   deepseek, kimi: the notebooks of params/gpu-{deepseek,kimi}-tiny.yaml on the tiny DeepSeek-V3 / Kimi-K2.5 target
 #     (their own ports: a chain may run them at once); family: both, in turn
 #   mla: the MLA drafter (#46) on both tiny targets, plain and EAGLE-3.1 (04 drafter=mla, 05's load proof)
+#   live, liveserve: live training against training from files, and their drafters served (#44); scale: one live run on
+#     every ShareGPT conversation, served at (3,1,4) and (7,1,8)
 #   dp: extraction with regeneration on one server with --dp 2 (params/gpu-smollm2-dp2.yaml; needs 2 GPUs)
 #   familytp: the tiny family at TP 2, under --ep-size 2 and under DP attention (needs 2 GPUs; see the phase)
 #   ddp: the drafter trained by 2 ranks and by 1 with the same global batch (needs 2 GPUs and the data phase's data)
@@ -199,6 +201,25 @@ for what in ${phases//,/ }; do
         [ $rc = 0 ] || python3 -c "import sys; from eagle3kit.acceptance.experiment import record_partial as r; print('partial:', sorted(r(sys.argv[1])))" \
           "$rec/run/05_acceptance" >> "$rec/run-05.log" 2>&1
         python3 benchmarks/live_train.py --served "$rec/run/05_acceptance" >> "$rec/run-05.log" 2>&1 || rc=1 ;;
+    scale) rc=0  # #44's scale: one live run of $P's 04_train recipe on every ShareGPT conversation (more distinct samples
+        # than this disk holds as files), then 05 on it at (3,1,4) and (7,1,8), batch 1; the held-out prompts from an
+        # extraction of the first E3K_SCALE_SIZER conversations (the split hashes each conversation: their held-out ones
+        # are held out of the live run too), whose bytes per sample size the live run's samples as files;
+        # E3K_TRAIN_MINUTES: the training's budget, setup included (default 6)
+        S=$W/scale; rm -rf "$S"; mkdir -p "$S"
+        $stop python3 -m eagle3kit.cli extract --engine sglang --max-samples ${E3K_SCALE_SIZER:-1000} --out "$S/data" \
+          --port 30061 --server-args --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.35 \
+          > "$rec/extract.log" 2>&1 || rc=1
+        cp "$S/data/manifest.jsonl" "$rec/sizer-manifest.jsonl" 2>/dev/null
+        live="{engine: sglang, port: 30071, stream_gb: 4, concurrency: 64, server_args: [--attention-backend, triton,"
+        live="$live --sampling-backend, pytorch, --mem-fraction-static, '0.35']}"
+        $stop python3 -m eagle3kit.cli run $P --only 04_train 05_acceptance --run-dir "$rec/run" \
+          --set 04_train.max_minutes=${E3K_TRAIN_MINUTES:-6} --set "04_train.live=$live" --set 05_acceptance.data=$S/data \
+          --set "05_acceptance.sweep_steps=[3, 7]" --set "05_acceptance.trees=[]" --set "05_acceptance.concurrencies=[1]" \
+          --set "05_acceptance.prompts_per_conc={1: 16}" --set 05_acceptance.untrained=false \
+          --set "05_acceptance.variants={}" ${E3K_SERVE_SETS:-} > "$rec/run.log" 2>&1 || rc=1
+        python3 benchmarks/live_train.py --scale "$rec/run" --scale-data "$S/data" 2>&1 | tee -a "$rec/run.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1 ;;
     mla|mla-deepseek|mla-kimi)  # #46: the MLA head (Eagle3DeepseekV2ForCausalLM) on both tiny targets, plain EAGLE-3 and EAGLE-3.1: 00-05 once
         # per target with drafter=mla, then 04-05 again with eagle31=true on the same data; 05's proof server
         # records what SGLang loaded and computed (export_params_unloaded, mla_logits_*, fed layers, doctor on the
