@@ -614,6 +614,29 @@ def test_shards_partition_the_data(tokenizer):
         prepare_samples(convs, tokenizer, 64, world_size=3, rank=3)
 
 
+def test_rendering_in_a_process_pool_gives_the_same_samples_and_skips(tokenizer, monkeypatch):
+    """Many conversations render in worker processes (a large data set took minutes in one): the same samples, keys,
+    splits, masks and skip counts as one process, in the same order (here a shard's); the pool is chosen only on a
+    host with the cores for it."""
+    from eagle3kit import extract
+    from eagle3kit.data import render_pool
+    from eagle3kit.data.conversations import load_conversations
+
+    convs, _ = load_conversations("embedded:sharegpt", limit=31)
+    convs += [{"id": "q", "messages": [{"role": "user", "content": "Hi"}]}]  # a skip among them, in rank 1's shard
+    one, many = {}, {}
+    serial = extract.prepare_samples(convs, tokenizer, 96, skipped=one, workers=1, world_size=2, rank=1)
+    pooled = extract.prepare_samples(convs, tokenizer, 96, skipped=many, workers=2, world_size=2, rank=1)
+    assert [(s.key, s.split, s.input_ids, s.loss_mask) for s in pooled] == \
+        [(s.key, s.split, s.input_ids, s.loss_mask) for s in serial] and len(serial) > 5
+    assert many == one and one["no assistant reply (rank 1's shard of 2)"] == 1
+    assert render_pool.workers_for(render_pool.PARALLEL_FROM - 1) == 1
+    monkeypatch.setattr(render_pool.os, "sched_getaffinity", lambda _: set(range(2)))
+    assert render_pool.workers_for(10 ** 6) == 1  # a 2-core host: the pool's start costs more than it saves
+    monkeypatch.setattr(render_pool.os, "sched_getaffinity", lambda _: set(range(64)))
+    assert render_pool.workers_for(10 ** 6) == 16
+
+
 def test_conversations_that_become_no_sample_are_counted_by_reason(tokenizer, tmp_path):
     """gpu-03-extract-prefill-graph-fp8: 400 conversations kept, 387 samples, and the 13 between counted nowhere.
     A conversation without a reply, or whose prompt fills max_tokens before its reply starts, is no sample: counted."""

@@ -17,7 +17,8 @@ from pathlib import Path
 from eagle3kit import checksum
 from eagle3kit.capture.format import STORAGES, remove_dead_writers_tmp
 from eagle3kit.data.conversations import load_conversations, split_of
-from eagle3kit.data.render import ConversationRefused, mask_spans, render
+from eagle3kit.data.render import mask_spans
+from eagle3kit.data.render_pool import render_all
 from eagle3kit.store import (SETTINGS, ManifestWriter, StoreError, check_settings, compact_manifest,
                              cut_torn_tail, read_manifest, token_sha256, verify)
 
@@ -71,33 +72,23 @@ def _disk_full_error(out_dir: Path, todo: list, totals: dict, failures: list) ->
 
 def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int = 0, heldout_percent: float = 5.0,
                     world_size: int = 1, rank: int = 0, min_loss_tokens: int = 1, leave_out=(),
-                    skipped: dict | None = None) -> list[Sample]:
+                    skipped: dict | None = None, workers: int | None = None) -> list[Sample]:
     """Render, mask and shard (sample i belongs to rank i % world_size). Keys are stable across reruns.
     ``leave_out``: conversation ids not to render (their indices, and so every other key, stay). ``skipped``: where
-    the conversations of this shard that become no sample are counted, by reason (the loader's report's)."""
+    the conversations of this shard that become no sample are counted, by reason (the loader's report's).
+    ``workers``: processes that render (None: ``render_pool.workers_for``); the samples are the same for any number."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    mine = [(i, conv) for i, conv in enumerate(conversations) if i % world_size == rank and conv["id"] not in leave_out]
+    results = render_all(tokenizer, [conv for _, conv in mine], max_tokens, min_loss_tokens, workers)
     out = []
-    for i, conv in enumerate(conversations):
-        if i % world_size != rank or conv["id"] in leave_out:
-            continue
-        why = None
-        if not any(m.get("role") == "assistant" for m in conv["messages"]):  # e.g. regeneration cut at the context
-            why = "no assistant reply"
-        else:
-            try:
-                r = render(tokenizer, conv["messages"], max_tokens=max_tokens)
-            except ConversationRefused as e:  # templates that check the roles' order raise on one: a skip, counted
-                r, why = None, str(e)
-            if r is not None and sum(r.loss_mask) < min_loss_tokens:
-                why = f"fewer than {min_loss_tokens} reply token(s) within max_tokens={max_tokens}"
+    for (i, conv), (r, why) in zip(mine, results):
         if why:
             if skipped is not None:  # a shard's own count, beside the loader's counts of every conversation
                 why = why if world_size == 1 else f"{why} (rank {rank}'s shard of {world_size})"
                 skipped[why] = skipped.get(why, 0) + 1
             continue
-        out.append(Sample(f"s{i:07d}", i, conv["id"], split_of(conv["id"], seed, heldout_percent),
-                          r.input_ids, r.loss_mask))
+        out.append(Sample(f"s{i:07d}", i, conv["id"], split_of(conv["id"], seed, heldout_percent), r[0], r[1]))
     return out
 
 
