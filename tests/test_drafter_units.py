@@ -547,6 +547,10 @@ def test_the_validation_carve_out_is_fixed_disjoint_and_never_the_whole_train_sp
     assert D.carve_validation(src, 0) == (src, None)
     with pytest.raises(ValueError, match="val_percent=90: 2 of the 2 training samples.*none left to train on"):
         D.carve_validation(Src(2), 90)
+    capped = D.carve_validation(Src(400), 10, max_samples=7)[1]  # a large split: the cap, not the share
+    assert len(capped) == 7 and capped.indices == D.carve_validation(Src(400), 10, max_samples=7)[1].indices
+    assert len(D.carve_validation(Src(40), 10, max_samples=7)[1]) == 4  # under the cap: the share
+    assert len(D.carve_validation(Src(400), 10, max_samples=0)[1]) == 40  # 0: no cap
 
 
 def test_the_teacher_from_known_greedy_tokens_equals_the_full_heads():

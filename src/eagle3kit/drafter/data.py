@@ -167,23 +167,25 @@ class Subset:
         return self.source.tokens(self.indices[i])
 
 
-def carve_validation(source, percent: float) -> tuple:
-    """(train, validation) of a train split: ``percent`` of its samples (rounded, at least 1 when above 0, never all)
+def carve_validation(source, percent: float, max_samples: int = 0) -> tuple:
+    """(train, validation) of a train split: ``percent`` of its samples (rounded, at least 1 when above 0, never all,
+    at most ``max_samples`` when that is above 0)
     drawn by a seeded permutation of the sample positions (``VAL_SEED``), so every run and every resume on that data
     set draws the same ones; each keeps the source's order. The validation samples choose the best checkpoint and
     are never trained on; the held-out split stays for the report. ``percent`` 0: (source, None)."""
     n = len(source)
-    val = validation_positions(n, percent)
+    val = validation_positions(n, percent, max_samples)
     if not val:
         return source, None
     return Subset(source, [i for i in range(n) if i not in val]), Subset(source, sorted(val))
 
 
-def validation_positions(n: int, percent: float) -> set[int]:
+def validation_positions(n: int, percent: float, max_samples: int = 0) -> set[int]:
     """The positions ``carve_validation`` takes out of a train split of ``n`` samples (a live training's too)."""
     if not percent or n == 0:
         return set()
     k = max(1, round(n * percent / 100))
+    k = min(k, max_samples) if max_samples > 0 else k
     if k >= n:
         raise ValueError(f"val_percent={percent}: {k} of the {n} training samples would be validation, none left to "
                          f"train on. Fix: a smaller val_percent (or 0: no checkpoint choice), or extract more samples")

@@ -210,7 +210,7 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
         heldout_src = _heldout_source(cfg.heldout) if cfg.heldout else \
             (D.CaptureSource(cfg.data, "heldout") if isinstance(train_src, D.CaptureSource) else None)
         try:
-            train_src, val_src = D.carve_validation(train_src, cfg.val_percent)
+            train_src, val_src = D.carve_validation(train_src, cfg.val_percent, cfg.val_max_samples)
         except ValueError as e:
             raise TrainError(f"{cfg.data}: {e}") from None
     if heldout_src is not None and len(heldout_src) == 0:

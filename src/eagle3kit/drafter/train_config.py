@@ -58,6 +58,8 @@ class TrainConfig:
     val_percent: float = setting(5.0, "share of the train split's samples (seeded, by position) never trained on: they "
                                       "choose the best checkpoint, so the held-out tau reports a choice it took no "
                                       "part in; 0: best/ is the latest")
+    val_max_samples: int = setting(256, "at most this many validation samples (each evaluation scores all of them, and "
+                                        "a live training keeps them in host RAM); 0: no cap")
     save_every: int = setting(100, "optimizer steps between resume points")
     teacher_cache_gb: float = setting(0.5, "memory on the training device for the target's greedy token of each row "
                                            "trained on (4 bytes a row): later epochs compute only the draft "
@@ -109,6 +111,7 @@ class TrainConfig:
         need(self.draft_vocab_size >= 1, "draft_vocab_size >= 1")
         need(0 <= self.val_percent < 100, f"val_percent={self.val_percent}: give a share of the training samples in "
              f"[0, 100) to choose the best checkpoint on (0: none, best/ is the latest)")
+        need(self.val_max_samples >= 0, f"val_max_samples={self.val_max_samples}: give >= 0 (0: no cap)")
         need(not self.fit_schedule or self.max_minutes > 0, "fit_schedule needs max_minutes > 0 (the budget to fit)")
         need(self.eval_depth >= self.serving_steps, f"eval_steps={self.eval_steps} < serving_steps="
              f"{self.serving_steps}: the best checkpoint is chosen by held-out tau at serving_steps, which an evaluation "

@@ -117,7 +117,7 @@ def open_live(cfg, dist, out_dir: Path):
         raise LiveError(f"--data {cfg.data}: no training conversation ({report.records} records read, "
                         f"{len(rendered)} rendered, all held out). Fix: more conversations, or a lower heldout_percent")
     try:  # the validation samples that choose the best checkpoint: the positions a file training carves out
-        val_at = validation_positions(len(train), cfg.val_percent)
+        val_at = validation_positions(len(train), cfg.val_percent, cfg.val_max_samples)
     except ValueError as e:
         raise LiveError(f"--data {cfg.data}: {e}") from None
     val = [s for i, s in enumerate(train) if i in val_at]
