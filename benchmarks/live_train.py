@@ -166,7 +166,7 @@ def served(step: Path) -> dict:
 def scale(run: Path, data: Path, disk: str = "/") -> dict:
     """The scale phase's figures: ``run`` is an ``eagle3kit run`` folder whose 04_train trained live and whose
     05_acceptance served it; ``data`` an extraction of some of the same conversations (files on this disk), whose mean
-    bytes per sample sizes what the live run's distinct samples would take as files. Merged into ``run``'s
+    bytes per sample size what the live run's distinct samples would take as files, against the room on ``disk``. Merged into ``run``'s
     metrics.json."""
     import shutil
 
@@ -178,11 +178,12 @@ def scale(run: Path, data: Path, disk: str = "/") -> dict:
     rows = [json.loads(line) for line in (data / "manifest.jsonl").read_text().splitlines() if line.strip()]
     if not rows:
         raise SystemExit(f"{data}/manifest.jsonl: no samples (the extraction that sizes a file sample wrote none)")
-    per_sample = sum(r["bytes"] for r in rows) / len(rows)
-    total = shutil.disk_usage(disk).total
+    sized = sum(r["bytes"] for r in rows)
+    per_sample = sized / len(rows)
+    room = shutil.disk_usage(disk).free + sized  # what a data set could fill: the free space and the sizer's own files
     res = {"live_distinct_samples": tr["live_distinct_samples"], "file_bytes_per_sample": per_sample,
-           "file_bytes_per_sample_from": len(rows), "disk_total_gb": total / 1e9,
-           "disk_capacity_samples": int(total // per_sample),
+           "file_bytes_per_sample_from": len(rows), "disk_room_gb": room / 1e9,
+           "disk_capacity_samples": int(room // per_sample),
            "live_distinct_samples_as_files_gb": tr["live_distinct_samples"] * per_sample / 1e9,
            "live_hidden_state_bytes_on_disk": tr.get("live_hidden_state_bytes_on_disk"),
            "heldout_tau_3": tr.get("heldout_tau_3"), "train_steps": tr.get("train_steps")}

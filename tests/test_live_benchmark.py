@@ -28,12 +28,12 @@ def test_scale_sets_the_live_run_beside_the_disk(tmp_path):
                      {"steps3_accept_length": 2.4, "steps7_accept_length": 2.9, "steps5_accept_length": 9.0},
                      [{"bytes": 1_000_000}, {"bytes": 3_000_000}])
     import shutil
-    total = shutil.disk_usage(str(tmp_path)).total
+    room = shutil.disk_usage(str(tmp_path)).free + 4_000_000
     res = live_train.scale(run, data, disk=str(tmp_path))
     assert res["file_bytes_per_sample"] == 2_000_000
-    assert res["disk_capacity_samples"] == total // 2_000_000
+    assert abs(res["disk_capacity_samples"] - room // 2_000_000) <= 1  # free space moves a little meanwhile
     assert res["live_distinct_samples_as_files_gb"] == pytest.approx(0.6)
-    assert res["live_distinct_over_disk_capacity"] == pytest.approx(300 / (total // 2_000_000))
+    assert res["live_distinct_over_disk_capacity"] == pytest.approx(300 / (room // 2_000_000), rel=1e-3)
     assert (res["accept_length_3_1_4"], res["accept_length_7_1_8"]) == (2.4, 2.9)
     assert "accept_length_5_1_6" not in res  # only the two settings the issue names
     assert json.loads((run / "metrics.json").read_text())["live_distinct_samples"] == 300
