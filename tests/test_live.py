@@ -66,13 +66,13 @@ class FileFeeder:
         pass
 
 
-def _stream(tmp_path, n=12, budget=1 << 30, feeder=None, cache=False, max_attempts=5):
+def _stream(tmp_path, n=12, budget=1 << 30, feeder=None, cache=False, max_attempts=5, **kw):
     samples = [LiveSample(i * 10, f"c{i}", list(range(3, 8 + i)), [0, 0] + [1] * (3 + i)) for i in range(n)]
     info = SourceInfo([1, 2], H, N_STATES, "t", True)
     src = LiveSource(samples, tmp_path / "stream", info, [1, 2], timeout_s=5, cache=cache)
     per_token = N_STATES * H * 2
     st = LiveStream(feeder or FileFeeder(), src, per_token, budget, cache_bytes=1 << 30 if cache else 0,
-                    max_attempts=max_attempts, status_every=0.0)
+                    max_attempts=max_attempts, status_every=0.0, **kw)
     st.prepare()
     src.stream = st
     return src, st
@@ -93,6 +93,40 @@ def test_every_sample_once_in_order_and_the_stream_emptied(tmp_path):
     s = st.close(last_epoch_complete=True)
     assert (s["live_samples_trained"], s["live_samples_lost"], s["live_samples_duplicated"]) == (12, 0, 0)
     assert not list((tmp_path / "stream" / "samples").glob("*.safetensors"))  # consumed samples leave the stream
+
+
+def test_a_live_sample_keeps_its_tokens_compact_and_gives_them_back_exactly():
+    """Every training conversation stays in the trainer's RAM for the whole run: 5 bytes a token, not a list's ~44."""
+    ids, mask = [0, 5, 49151, 163839, 7], [0, 0, 1, 1, 1]
+    s = LiveSample(3, "c", ids, mask)
+    assert (s.input_ids, s.loss_mask, s.n_tokens) == (ids, mask, 5)
+    t_ids, t_mask = s.tensors()
+    assert t_ids.dtype == t_mask.dtype == torch.int64 and t_ids.tolist() == ids and t_mask.tolist() == mask
+    big = LiveSample(0, "c", list(range(40_000, 50_000)), [1] * 10_000)
+    import sys
+    assert sys.getsizeof(big._ids) + sys.getsizeof(big._mask) < 6 * 10_000
+    with pytest.raises(ValueError, match="5 token ids, 4 loss-mask entries"):
+        LiveSample(3, "c", ids, mask[:4])
+
+
+def test_the_capture_pace_log_counts_every_capture_once(tmp_path):
+    """The capture side's tokens/s through a run (one line per interval, in a file beside the checkpoints): its
+    lines add up to what was captured and trained, token for token."""
+    log = tmp_path / "stream_log.jsonl"
+    src, st = _stream(tmp_path, feeder=FileFeeder(fail={"e000s0000020"}), log_path=log, log_every=0.002)
+    order = list(range(12))
+    src.schedule(0, order)
+    _read_epoch(src, order)
+    s = st.close(last_epoch_complete=True)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert rows == json.loads(json.dumps(st.log_rows)) and len(rows) >= 2
+    assert sum(r["captured"] for r in rows) == s["live_samples_captured"] == 12
+    assert sum(r["captured_tokens"] for r in rows) == sum(len(x.input_ids) for x in src.samples)
+    assert sum(r["trained"] for r in rows) == 12 and sum(r["failed"] for r in rows) == 1
+    # tokens/s is the interval's tokens over its length (``seconds``, rounded to the millisecond)
+    assert all(abs(r["capture_tokens_per_s"] * r["seconds"] - r["captured_tokens"]) <= r["capture_tokens_per_s"] * 5e-4
+               for r in rows) and any(r["captured_tokens"] for r in rows)
+    assert s["live_capture_minutes_logged"] == sum(r["seconds"] >= 0.001 for r in rows)
 
 
 def test_the_bound_holds_the_stream(tmp_path):

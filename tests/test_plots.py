@@ -37,3 +37,13 @@ def test_a_panel_without_data_says_so_instead_of_drawing_empty_axes():
     log = [{"step": 1, "loss_pos0": 2.0}]
     loss, held = plots.train_curves(log, [], 1, "ce", 0.1).axes
     assert "no held-out evaluation" in held.texts[0].get_text() and not loss.texts
+
+
+def test_the_capture_pace_plot_draws_each_interval_or_says_there_is_none():
+    rows = [{"t": 60.0, "capture_tokens_per_s": 9000.0, "buffered": 40}, {"t": 120.0, "capture_tokens_per_s": 8000.0,
+                                                                          "buffered": 55}]
+    fig = plots.capture_pace(rows)
+    ax, right = fig.axes
+    assert list(ax.lines[0].get_ydata()) == [9000.0, 8000.0] and list(ax.lines[0].get_xdata()) == [1.0, 2.0]
+    assert list(right.lines[0].get_ydata()) == [40, 55] and not ax.texts
+    assert "no capture interval" in plots.capture_pace([]).axes[0].texts[0].get_text()

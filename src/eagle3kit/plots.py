@@ -70,6 +70,24 @@ def train_curves(log: list[dict], evals: list[dict], ttt_steps: int, loss: str, 
     return _save(fig, path)
 
 
+def capture_pace(rows: list[dict], path=None):
+    """A live run's capture side through the run (``LiveStream``'s pace log): tokens/s per interval, and the samples
+    buffered ahead of the trainer."""
+    fig, ax = plt.subplots(figsize=(6, 3))
+    if rows:
+        x = [r["t"] / 60 for r in rows]
+        ax.plot(x, [r["capture_tokens_per_s"] for r in rows], marker="o", ms=3, label="captured tokens/s")
+        ax.set_ylim(bottom=0)
+        ax2 = ax.twinx()
+        ax2.plot(x, [r["buffered"] for r in rows], color="#dd8452", lw=1, label="buffered samples (right)")
+        ax2.set_ylim(bottom=0)
+        ax.legend(handles=ax.lines + ax2.lines, fontsize=7, loc="lower right")
+        ax.set_xlabel("minutes since the first capture")
+    say_empty(ax, "no capture interval logged (not a live run, or it captured nothing)")
+    ax.set_title("capture side of the live run")
+    return _save(fig, path)
+
+
 def histogram(values, title, xlabel, path=None, bins=30):
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.hist(values, bins=bins, color="#55a868")

@@ -127,7 +127,7 @@ def open_live(cfg, dist, out_dir: Path):
                         cache=lc.cache_gb > 0 and cfg.epochs > 1)
     bpt = bytes_per_token(len(layer_ids), tinfo.hidden_size, lc.storage)
     live = LiveStream(feeder, source, bpt, int(lc.stream_gb * 1e9), int(lc.cache_gb * 1e9), lc.max_attempts,
-                      owns_dir=not lc.urls)
+                      owns_dir=not lc.urls, log_path=Path(out_dir) / f"stream_log.rank{dist.rank}.jsonl")
     live.prepare()
     source.stream = live
     # captured once, checked, kept in host RAM: every rank the same sets (each scores its share)

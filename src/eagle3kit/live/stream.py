@@ -127,7 +127,8 @@ class LiveStream:
     counts). Counts what it asked, what came, what failed, what was rejected and what the trainer took, per epoch."""
 
     def __init__(self, feeder, source, bytes_per_token: float, budget_bytes: int, cache_bytes: int = 0,
-                 max_attempts: int = 5, status_every: float = 0.5, owns_dir: bool = False):
+                 max_attempts: int = 5, status_every: float = 0.5, owns_dir: bool = False, log_path=None,
+                 log_every: float = 60.0):
         self.feeder, self.source = feeder, source
         self.dir = Path(source.stream_dir)
         self.samples_dir = self.dir / "samples"
@@ -152,6 +153,11 @@ class LiveStream:
         self.peak_accounted_bytes = 0  # what the bound is held against: estimates of those asked + files buffered
         self._consumed_off = 0
         self._last_status = 0.0
+        # the capture side's pace through the run: one line per ``log_every`` seconds (the last, shorter one at close)
+        self.log_path, self.log_every = (Path(log_path) if log_path else None), float(log_every)
+        self._log_t0 = self._log_last = None
+        self._log_n = collections.Counter()
+        self.log_rows: list[dict] = []
 
     def estimate(self, n_tokens: int) -> int:
         """A capture's bytes before it exists: the tensors and the file's header and metadata (at most a few KB)."""
@@ -231,6 +237,7 @@ class LiveStream:
         if self._thread is not None:
             self._thread.join(timeout=self.feeder.timeout if hasattr(self.feeder, "timeout") else 60)
         self._reap()
+        self._log(force=True)
         self.feeder.close()
         if self.owns_dir:  # what was asked and not trained on (a run cut mid-epoch) goes with the folder
             import shutil
@@ -239,6 +246,11 @@ class LiveStream:
         return self.summary()
 
     def summary(self) -> dict:
+        rates = sorted(r["capture_tokens_per_s"] for r in self.log_rows if r["seconds"] >= self.log_every / 2)
+        pace = {"live_capture_minutes_logged": len(rates)}
+        if rates:  # the whole intervals' tokens/s (a last stub shorter than half an interval left out)
+            pace.update(live_capture_tokens_per_s_median=rates[len(rates) // 2], live_capture_tokens_per_s_min=rates[0],
+                        live_capture_tokens_per_s_max=rates[-1])
         lost = dup = 0
         for e in self._complete:
             want, got = self._expected.get(e, {}), self._consumed.get(e, collections.Counter())
@@ -253,7 +265,7 @@ class LiveStream:
                 "live_peak_stream_mb": self.peak_stream_bytes / 2 ** 20,
                 "live_peak_accounted_mb": self.peak_accounted_bytes / 2 ** 20,
                 "live_stream_bound_mb": self.budget / 2 ** 20,
-                "live_server_restarts": getattr(self.feeder, "restarts", 0),
+                "live_server_restarts": getattr(self.feeder, "restarts", 0), **pace,
                 **{f"live_{k}": v for k, v in getattr(getattr(self.feeder, "relay", None), "counts", {}).items()}}
 
     # -- the producer thread --
@@ -284,7 +296,7 @@ class LiveStream:
                 key = epoch_key(self._epoch, s.index)
                 if key in self._out:  # the same sample twice in one epoch's order: the second after the first went
                     break
-                est = self._cached.get(s.index) or self.estimate(len(s.input_ids))
+                est = self._cached.get(s.index) or self.estimate(s.n_tokens)
                 if self._out and self._accounted() + est > self.budget:
                     break
                 if self._retry:
@@ -306,6 +318,7 @@ class LiveStream:
                 return
             if marker.get("status") == "ok":
                 self.n["captured"] += 1
+                self.n["captured_tokens"] += int(marker.get("n_tokens", 0))
                 o["state"], o["bytes"] = "buffered", int(marker.get("bytes", o["bytes"]))
                 return
             self.n["failed"] += 1
@@ -398,7 +411,31 @@ class LiveStream:
     def _accounted(self) -> int:
         return sum(o["bytes"] for o in self._out.values())
 
+    def _log(self, force: bool = False) -> None:
+        """One line of the pace log when ``log_every`` has passed (``force``: the interval so far, at close)."""
+        now = time.monotonic()
+        if self._log_t0 is None:
+            self._log_t0 = self._log_last = now
+            self._log_n = self.n.copy()
+            return
+        if not force and now - self._log_last < self.log_every:
+            return
+        dt = now - self._log_last
+        if dt <= 0:
+            return
+        d = self.n - self._log_n
+        prog = self.progress()
+        row = {"time": time.time(), "t": round(now - self._log_t0, 3), "seconds": round(dt, 3), "captured": d["captured"],
+               "captured_tokens": d["captured_tokens"], "capture_tokens_per_s": d["captured_tokens"] / dt,
+               "trained": d["consumed"], "failed": d["failed"], "rejected": d["rejected"], **prog}
+        self._log_last, self._log_n = now, self.n.copy()
+        self.log_rows.append(row)
+        if self.log_path is not None:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     def _write_status(self, force: bool = False) -> None:
+        self._log()
         now = time.time()
         if not force and now - self._last_status < self.status_every:
             return
