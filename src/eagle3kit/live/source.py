@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from array import array
 from pathlib import Path
 
 import torch
@@ -27,12 +27,39 @@ STATUS = "stream.rank{rank}.json"
 CACHE = "cache"
 
 
-@dataclass
 class LiveSample:
-    index: int  # the conversation's index in the data set (as extract's keys)
-    conv_id: str
-    input_ids: list
-    loss_mask: list
+    """One training conversation of a live run, kept for the whole run: its token ids (4 bytes a token) and loss mask
+    (1 byte a token). As Python lists they took ~44 bytes a token: tens of GB a rank at 600 K conversations, copied
+    page by page into each loader worker that read them (reference counts write to every element)."""
+
+    __slots__ = ("index", "conv_id", "_ids", "_mask")
+
+    def __init__(self, index: int, conv_id: str, input_ids, loss_mask):
+        self.index = index  # the conversation's index in the data set (as extract's keys)
+        self.conv_id = conv_id
+        self._ids, self._mask = array("i", input_ids), bytes(loss_mask)
+        if len(self._ids) != len(self._mask):
+            raise ValueError(f"sample {index}: {len(self._ids)} token ids, {len(self._mask)} loss-mask entries")
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self._ids.tolist()
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return list(self._mask)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._ids)
+
+    def tensors(self):
+        """(token ids, loss mask) as int64 tensors."""
+        return (torch.frombuffer(bytearray(self._ids), dtype=torch.int32).long(),
+                torch.frombuffer(bytearray(self._mask), dtype=torch.uint8).long())
+
+    def __repr__(self) -> str:
+        return f"LiveSample({self.index}, {self.conv_id!r}, {self.n_tokens} tokens)"
 
 
 def epoch_key(epoch: int, index: int) -> str:
@@ -100,14 +127,13 @@ class LiveSource:
         return len(self.samples)
 
     def length(self, i: int) -> int:
-        return len(self.samples[i].input_ids)
+        return self.samples[i].n_tokens
 
     def info(self):
         return self._info
 
     def tokens(self, i: int):
-        s = self.samples[i]
-        return torch.tensor(s.input_ids, dtype=torch.int64), torch.tensor(s.loss_mask, dtype=torch.int64)
+        return self.samples[i].tensors()
 
     def schedule(self, epoch: int, order: list[int]) -> None:
         """The samples this rank will load in ``epoch``, in the order it loads them: the producer captures them in
@@ -145,14 +171,14 @@ class LiveSource:
         while True:
             marker = _read_marker(samples, key)
             if marker is not None and marker.get("status") == "ok":
+                ids, mask = s.tensors()
                 try:
-                    t = check_capture(self.stream_dir, marker, s.input_ids, self._info.n_states, self._info.hidden_size)
+                    t = check_capture(self.stream_dir, marker, ids, self._info.n_states, self._info.hidden_size)
                 except ValueError as e:
                     self._reject(key, marker, str(e))
                     continue
                 self._consumed(key, s.index, marker)
-                return {"hidden_states": t["hidden_states"], "token_ids": t["token_ids"],
-                        "loss_mask": torch.tensor(s.loss_mask, dtype=torch.int64)}
+                return {"hidden_states": t["hidden_states"], "token_ids": t["token_ids"], "loss_mask": mask}
             fatal = self._fatal()
             if fatal:
                 raise StreamError(f"live stream stopped: {fatal}")
