@@ -166,8 +166,8 @@ def served(step: Path) -> dict:
 def scale(run: Path, data: Path, disk: str = "/") -> dict:
     """The scale phase's figures: ``run`` is an ``eagle3kit run`` folder whose 04_train trained live and whose
     05_acceptance served it; ``data`` an extraction of some of the same conversations (files on this disk), whose mean
-    bytes per sample size what the live run's distinct samples would take as files, against the room on ``disk``. Merged into ``run``'s
-    metrics.json."""
+    bytes per sample size what the live run's distinct samples would take as files, against the room on ``disk``.
+    Merged into ``run``'s metrics.json."""
     import shutil
 
     from eagle3kit.metrics import update_json
@@ -240,7 +240,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out")
     p.add_argument("--served", help="05_acceptance's folder of the liveserve phase: its accept-length figures only")
-    p.add_argument("--scale", help="an `eagle3kit run` folder whose 04_train trained live (gpu_record.sh's scale phase)")
+    p.add_argument("--scale", help="an `eagle3kit run` folder whose 04_train trained live (gpu_record.sh's scale "
+                                   "phase)")
     p.add_argument("--scale-data", help="--scale: an extraction of some of the same conversations (file bytes/sample)")
     p.add_argument("--work", default="/root/work/live")
     p.add_argument("--samples", type=int, default=2000)

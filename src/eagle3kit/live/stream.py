@@ -425,8 +425,9 @@ class LiveStream:
             return
         d = self.n - self._log_n
         prog = self.progress()
-        row = {"time": time.time(), "t": round(now - self._log_t0, 3), "seconds": round(dt, 3), "captured": d["captured"],
-               "captured_tokens": d["captured_tokens"], "capture_tokens_per_s": d["captured_tokens"] / dt,
+        row = {"time": time.time(), "t": round(now - self._log_t0, 3), "seconds": round(dt, 3),
+               "captured": d["captured"], "captured_tokens": d["captured_tokens"],
+               "capture_tokens_per_s": d["captured_tokens"] / dt,
                "trained": d["consumed"], "failed": d["failed"], "rejected": d["rejected"], **prog}
         self._log_last, self._log_n = now, self.n.copy()
         self.log_rows.append(row)
