@@ -1,11 +1,13 @@
 """The notebooks are the spec: run the demo pipeline with small parameters through papermill and check what the
 notebooks recorded (the GPU run of the same notebooks, with big parameters, is under outputs/records/)."""
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from eagle3kit.warm_kernel import ENV as WARM_KERNEL
 from tests.conftest import ROOT
 
 
@@ -25,7 +27,7 @@ def test_demo_pipeline_small(tmp_path):
     run_dir = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "run", str(ROOT / "params" / "demo.yaml"),
                         "--run-dir", str(run_dir), *SMALL],
-                       capture_output=True, text=True, cwd=ROOT, timeout=1500)
+                       capture_output=True, text=True, cwd=ROOT, timeout=1500, env={**os.environ, WARM_KERNEL: "1"})
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     m = json.loads((run_dir / "metrics.json").read_text())
     assert m["target_layers"] == 30 and m["target_reply_tokens"] > 0

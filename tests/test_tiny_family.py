@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from eagle3kit.warm_kernel import ENV as WARM_KERNEL
 from tests.conftest import ROOT
 
 
@@ -64,7 +65,7 @@ def test_capture_steps_run_on_the_tiny_deepseek(tmp_path):
     r = subprocess.run([sys.executable, "-m", "eagle3kit.cli", "run", str(ROOT / "params" / "cpu-deepseek-tiny.yaml"),
                         "--run-dir", str(out), *(a for kv in small for a in ("--set", kv))],
                        capture_output=True, text=True, timeout=1500,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", WARM_KERNEL: "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     status = json.loads((out / "status.json").read_text())
     assert all(s["state"] == "ok" for s in status.values()) and len(status) == 6, status

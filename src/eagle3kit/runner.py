@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -55,28 +56,52 @@ def notebooks_in(folder: Path) -> dict[str, Path]:
     return {p.stem: p for p in sorted(Path(folder).glob("*.ipynb"))}
 
 
-def ensure_kernel(root: Path) -> None:
+def ensure_kernel(root: Path, argv: list[str] | None = None) -> None:
     """A kernelspec named ``eagle3kit`` that runs *this* interpreter, put first on JUPYTER_PATH.
 
     Notebooks then execute with the same Python (and packages) as the runner, whatever kernels the machine has.
+    ``argv``: another command for it (the warm kernels' launcher).
     """
     spec_dir = root / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True, exist_ok=True)
     (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": argv or [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "eagle3kit", "language": "python"}))
     os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("JUPYTER_PATH")]))
 
 
 @contextmanager
-def private_kernel():
-    """The ``eagle3kit`` kernelspec in a temporary folder for the time of a run; JUPYTER_PATH restored after."""
+def private_kernel(cwd: Path | None = None):
+    """The ``eagle3kit`` kernelspec in a temporary folder for the time of a run; JUPYTER_PATH restored after.
+
+    With EAGLE3KIT_WARM_KERNEL=1 (the test suite's pipeline runs) its kernels come from a fork server started here,
+    in the kernels' working folder ``cwd``, and stopped at the end (eagle3kit.warm_kernel)."""
+    from eagle3kit import warm_kernel
+
     before = os.environ.get("JUPYTER_PATH")
     with tempfile.TemporaryDirectory(prefix="eagle3kit-kernel-") as root:
-        ensure_kernel(Path(root))
+        server = None
+        if warm_kernel.enabled():
+            sock = str(Path(root) / "warm.sock")
+            ensure_kernel(Path(root), warm_kernel.kernel_argv(sock))  # first: the server's environment has JUPYTER_PATH
+            server = subprocess.Popen(warm_kernel.server_argv(sock),
+                                      stdin=subprocess.PIPE, cwd=str(cwd or Path.cwd()), start_new_session=True)
+            # it listens before it imports; a kernel started before that would be a plain one
+            deadline = time.time() + 60
+            while not os.path.exists(sock) and server.poll() is None and time.time() < deadline:
+                time.sleep(0.05)
+        else:
+            ensure_kernel(Path(root))
         try:
             yield
         finally:
+            if server is not None:
+                server.stdin.close()  # the server exits at EOF, killing any kernel still running
+                try:
+                    server.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait()
             if before is None:
                 os.environ.pop("JUPYTER_PATH", None)
             else:
@@ -114,7 +139,7 @@ def execute(plan: Plan, notebooks_dir: Path, run_dir: Path | None = None, cwd: P
     _write_json(run_dir / "status.json", status)
     previous = _raise_on_sigterm()
     try:
-        with private_kernel():
+        with private_kernel(cwd):
             _run_steps(plan, notebooks_dir, run_dir, cwd, status)
     finally:
         if previous is not None:
