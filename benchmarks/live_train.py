@@ -171,11 +171,12 @@ def scale(run: Path, data: Path, disk: str = "/") -> dict:
     import shutil
 
     from eagle3kit.metrics import update_json
+    from eagle3kit.store import read_manifest
 
     tr = json.loads((run / "04_train" / "metrics.json").read_text())
     if "live_distinct_samples" not in tr:
         raise SystemExit(f"{run}/04_train/metrics.json: no live_distinct_samples (04_train did not train live)")
-    rows = [json.loads(line) for line in (data / "manifest.jsonl").read_text().splitlines() if line.strip()]
+    rows = list(read_manifest(data).values())
     if not rows:
         raise SystemExit(f"{data}/manifest.jsonl: no samples (the extraction that sizes a file sample wrote none)")
     sized = sum(r["bytes"] for r in rows)

@@ -58,6 +58,8 @@ def test_the_command_line_reads_the_same_object(tmp_path, capsys):
     out = tmp_path / "never"
     assert cli.main(["train", "--data", str(tmp_path), "--out", str(out), "--set", "loss=mse"]) != 0
     assert "loss='mse': choose one of" in capsys.readouterr().err and not out.exists()
+    assert cli.main(["train", "--data", str(tmp_path), "--out", str(out), "--set", "val_max_samples=-1"]) != 0
+    assert "val_max_samples=-1: give >= 0" in capsys.readouterr().err and not out.exists()
     with pytest.raises(TrainError, match="unknown train settings"):
         TrainConfig.from_dict({"data": "d", "out_dir": "o", "learned_claims": True})
 

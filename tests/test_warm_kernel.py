@@ -45,3 +45,26 @@ def test_warm_kernels_run_each_notebook_in_a_fresh_kernel_of_its_step(tmp_path):
         except ProcessLookupError:
             alive = False
         assert not alive, pid
+
+
+def test_a_launcher_whose_environment_differs_is_refused_and_gets_a_plain_kernel():
+    """A module the server imported read its environment and sys.path: a launcher that brings others is refused
+    (it then starts a plain ipykernel), its descriptors closed; nothing is forked for it."""
+    import socket
+
+    from eagle3kit import warm_kernel as wk
+
+    identity = {"env": {"A": "1"}, "sys_path": ["/x"], "env_changes": {}}
+    for env, path, what in (({"A": "2"}, ["/x"], "environment (A)"), ({"A": "1"}, ["/y"], "sys.path (differs)")):
+        server, launcher = socket.socketpair()
+        r, w = os.pipe()
+        wk._send(launcher, {"argv": ["k"], "env": env, "cwd": "/", "sys_path": path}, fds=(r, w, w))
+        assert wk._start_kernel(server, [], identity) is None
+        reply, _ = wk._recv(launcher)
+        assert what in reply["refused"]
+        os.close(r), os.close(w)
+        server.close(), launcher.close()
+    server, launcher = socket.socketpair()
+    launcher.close()  # a launcher gone before its request: refused, nothing forked
+    assert wk._start_kernel(server, [], identity) is None
+

@@ -55,8 +55,8 @@ class LiveSample:
 
     def tensors(self):
         """(token ids, loss mask) as int64 tensors."""
-        return (torch.frombuffer(bytearray(self._ids), dtype=torch.int32).long(),
-                torch.frombuffer(bytearray(self._mask), dtype=torch.uint8).long())
+        return (torch.frombuffer(self._ids, dtype=torch.int32).long(),  # the array is writable: read in place
+                torch.frombuffer(bytearray(self._mask), dtype=torch.uint8).long())  # bytes are not: one copy
 
     def __repr__(self) -> str:
         return f"LiveSample({self.index}, {self.conv_id!r}, {self.n_tokens} tokens)"

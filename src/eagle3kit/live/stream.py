@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -249,8 +250,8 @@ class LiveStream:
         rates = sorted(r["capture_tokens_per_s"] for r in self.log_rows if r["seconds"] >= self.log_every / 2)
         pace = {"live_capture_minutes_logged": len(rates)}
         if rates:  # the whole intervals' tokens/s (a last stub shorter than half an interval left out)
-            pace.update(live_capture_tokens_per_s_median=rates[len(rates) // 2], live_capture_tokens_per_s_min=rates[0],
-                        live_capture_tokens_per_s_max=rates[-1])
+            pace.update(live_capture_tokens_per_s_median=statistics.median(rates),
+                        live_capture_tokens_per_s_min=rates[0], live_capture_tokens_per_s_max=rates[-1])
         lost = dup = 0
         for e in self._complete:
             want, got = self._expected.get(e, {}), self._consumed.get(e, collections.Counter())
