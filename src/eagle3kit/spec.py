@@ -264,7 +264,8 @@ def all_reference_states(reference, ids) -> dict:
     """Every candidate state of the reference for a prompt: input_of_layer 0..L-1, final pre-norm, post-norm."""
     ref = reference.model
     with torch.no_grad():
-        out = ref(input_ids=torch.tensor([ids], device=reference.device), output_hidden_states=True)
+        out = ref(input_ids=torch.tensor([ids], device=reference.device), output_hidden_states=True,
+                  **reference.head_kw)
     hs = out.hidden_states
     L = reference.info.num_layers
     cands = {f"input_of_layer {k}": hs[k][0].cpu() for k in range(L)}

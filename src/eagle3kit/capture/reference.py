@@ -14,6 +14,15 @@ from eagle3kit.capture.format import capture_metadata, write_sample
 from eagle3kit.target import TargetInfo, load_model
 
 
+def head_kw(model) -> dict:
+    """The forward's keywords that keep the LM head to the last position (``logits_to_keep``, where the model takes
+    it): the capture reads hidden states only, and the head's logits of every position are a third of a forward's
+    work on the embedded default (49,152 columns)."""
+    import inspect
+
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 class ReferenceEngine:
     def __init__(self, model_path, aux_layer_ids, final_normed: bool = False, dtype: str = "float32",
                  device: str = "cpu", model=None, tokenizer=None):
@@ -32,6 +41,7 @@ class ReferenceEngine:
         self._pre_norm = None
         self._norm = self._find_norm(model)
         self._norm.register_forward_hook(self._on_norm)
+        self.head_kw = head_kw(model)
 
     @staticmethod
     def _find_norm(model):
@@ -47,7 +57,8 @@ class ReferenceEngine:
     @torch.no_grad()
     def _forward(self, input_ids, attention_mask=None, past_key_values=None):
         kw = {"past_key_values": past_key_values, "use_cache": True} if past_key_values is not None else {"use_cache": False}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kw)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kw,
+                         **self.head_kw)
         hs = out.hidden_states
         stack = [hs[k] for k in self.layer_ids[:-1]] + [self._pre_norm]
         result = {"hidden_states": torch.stack(stack, dim=2)}  # [B, T, n, H]
