@@ -7,7 +7,6 @@ Under DP attention ranks hold different tokens: the check then says so instead o
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -98,8 +97,8 @@ def run_cpu_tp(target, out_dir, prompts: dict, aux_layer_ids, n_ranks: int, time
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts_file = out_dir / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_ranks), "--master-port",
-           str(29500 + os.getpid() % 1000), "-m", "eagle3kit.tp_worker", "--target", str(target), "--out",
+    # torch's elastic launcher (torchrun's agent and rendezvous), the ranks forked from preloaded processes
+    cmd = [sys.executable, "-m", "eagle3kit.tp_worker", "--nproc", str(n_ranks), "--target", str(target), "--out",
            str(out_dir), "--prompts", str(prompts_file), "--layers", *map(str, aux_layer_ids)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     log = p.stdout + p.stderr

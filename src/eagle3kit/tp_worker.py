@@ -1,4 +1,7 @@
-"""One rank of the CPU tensor-parallel reference: ``torchrun --nproc-per-node N -m eagle3kit.tp_worker ...``.
+"""One rank of the CPU tensor-parallel reference: ``torchrun --nproc-per-node N -m eagle3kit.tp_worker ...``, or
+``python -m eagle3kit.tp_worker --nproc N ...`` (what ``tp_check.run_cpu_tp`` runs): torch's elastic launcher, the
+agent and rendezvous torchrun runs, with the ranks forked from a forkserver that imported torch, transformers and
+the reference engine once (~10 s of imports a fresh rank would pay each, 3 ranks on 2 cores).
 
 transformers shards the model over the ranks (``tp_plan="auto"``, gloo on the CPU); every rank writes its own
 capture files (``<key>.rank<r>.safetensors``) so that the TP check can compare them.
@@ -8,9 +11,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 
-def main():
+PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.llama.modeling_llama",
+           "eagle3kit.capture.reference", "eagle3kit.tp_worker"]
+
+
+def launch(argv: list[str], nproc: int) -> None:
+    """``main(argv)`` on ``nproc`` gloo ranks of this host, started by torch's elastic launcher from a preloaded
+    forkserver; the ranks' output goes to this process's. A rank that fails raises (ChildFailedError)."""
+    import multiprocessing
+    import socket
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    logs = tempfile.mkdtemp(prefix="e3k-tp-")
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
+                       rdzv_endpoint=f"127.0.0.1:{port}", run_id=f"e3k-tp-{os.getpid()}", max_restarts=0,
+                       start_method="forkserver", monitor_interval=0.05, logs_specs=DefaultLogsSpecs(log_dir=logs))
+    elastic_launch(cfg, main)(argv)
+
+
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--target", required=True)
     p.add_argument("--out", required=True)
@@ -18,7 +47,13 @@ def main():
     p.add_argument("--layers", nargs="+", type=int, required=True)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--storage", default="fp32")
-    a = p.parse_args()
+    p.add_argument("--nproc", type=int, default=0, help="launch this many ranks (torch's elastic launcher) instead "
+                   "of being one (under torchrun)")
+    a = p.parse_args(argv)
+    if a.nproc:
+        args = list(sys.argv[1:] if argv is None else argv)
+        i = args.index("--nproc")
+        return launch(args[:i] + args[i + 2:], a.nproc)
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
