@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 from eagle3kit.live.config import LiveConfig, LiveError
@@ -43,6 +44,7 @@ def open_live(cfg, dist, out_dir: Path):
     with ``live``)."""
     from transformers import AutoTokenizer
 
+    from eagle3kit.data.render_pool import workers_for
     from eagle3kit.drafter.data import SourceInfo, validation_positions
     from eagle3kit.extract import bytes_per_token, load_samples
     from eagle3kit.pipeline import default_aux
@@ -95,48 +97,81 @@ def open_live(cfg, dist, out_dir: Path):
             relay = RelayReceiver(samples_dir, lc.relay_port + dist.rank, lc.relay_senders, timeout_s=lc.timeout_s)
         feeder = SGLangFeeder(lc.urls, lc.concurrency, lc.timeout_s, start_server=start_server, expect=expect,
                               relay=relay)
-    generator = None
-    if lc.regenerate:
-        from eagle3kit.data.regenerate import SGLangGenerator, TransformersGenerator
+    # the capture server starts (tens of seconds: weights, kernels) while the conversations render; with
+    # regeneration the generator starts it, before the replies it renders from
+    background = None
+    if lc.engine == "sglang" and not lc.regenerate:
+        from concurrent.futures import ThreadPoolExecutor
 
-        if reference is not None:
-            generator = TransformersGenerator(reference.tokenizer, reference.model, max_context=lc.max_tokens)
-        else:
-            def serving():
-                feeder.prepare(samples_dir)
-                return feeder.urls
-            generator = SGLangGenerator(serving, tok, max_context=lc.max_tokens)
-    rendered, report = load_samples(
-        cfg.data, tok, lc.max_samples, lc.max_tokens, lc.split_seed, lc.heldout_percent, regenerate_with=generator,
-        regenerate_max_new_tokens=lc.regenerate_max_new_tokens,
-        regenerate_concurrency=1 if reference is not None else lc.concurrency,
-        regenerated_cache=Path(out_dir) / "regenerated.jsonl" if lc.regenerate else None)
-    train = [LiveSample(s.index, s.conv_id, s.input_ids, s.loss_mask) for s in rendered if s.split == "train"]
-    held = [s for s in rendered if s.split == "heldout"][:lc.heldout_max_samples]
-    if not train:
-        raise LiveError(f"--data {cfg.data}: no training conversation ({report.records} records read, "
-                        f"{len(rendered)} rendered, all held out). Fix: more conversations, or a lower heldout_percent")
-    try:  # the validation samples that choose the best checkpoint: the positions a file training carves out
-        val_at = validation_positions(len(train), cfg.val_percent, cfg.val_max_samples)
-    except ValueError as e:
-        raise LiveError(f"--data {cfg.data}: {e}") from None
-    val = [s for i, s in enumerate(train) if i in val_at]
-    train = [s for i, s in enumerate(train) if i not in val_at]
-    info = SourceInfo(layer_ids, tinfo.hidden_size, len(layer_ids), str(path), not lc.prefill_graph)
-    source = LiveSource(train, stream, info, layer_ids, rank=dist.rank, timeout_s=lc.timeout_s,
-                        cache=lc.cache_gb > 0 and cfg.epochs > 1)
-    bpt = bytes_per_token(len(layer_ids), tinfo.hidden_size, lc.storage)
-    live = LiveStream(feeder, source, bpt, int(lc.stream_gb * 1e9), int(lc.cache_gb * 1e9), lc.max_attempts,
-                      owns_dir=not lc.urls, log_path=Path(out_dir) / f"stream_log.rank{dist.rank}.jsonl")
-    live.prepare()
-    source.stream = live
-    # captured once, checked, kept in host RAM: every rank the same sets (each scores its share)
-    heldout = MemorySource(_capture_once(live, held, info, heldout_key), info) if held else None
-    val_src = MemorySource(_capture_once(live, val, info, validation_key), info) if val else None
-    extras = {"live_conversations": report.records, "live_train_conversations": len(train),
-              "live_heldout_samples": len(held), "live_val_samples": len(val), "live_stream_dir": str(stream), "live_engine": lc.engine,
-              "live_storage": lc.storage, "live_bytes_per_token": bpt}
-    return source, heldout, val_src, extras
+        pool = ThreadPoolExecutor(1, thread_name_prefix="e3k-live-start")
+        background = pool.submit(feeder.prepare, samples_dir)
+        pool.shutdown(wait=False)
+    live = None
+    try:
+        generator = None
+        if lc.regenerate:
+            from eagle3kit.data.regenerate import SGLangGenerator, TransformersGenerator
+
+            if reference is not None:
+                generator = TransformersGenerator(reference.tokenizer, reference.model, max_context=lc.max_tokens)
+            else:
+                def serving():
+                    feeder.prepare(samples_dir)
+                    return feeder.urls
+                generator = SGLangGenerator(serving, tok, max_context=lc.max_tokens)
+        t0 = time.monotonic()
+        rendered, report = load_samples(
+            cfg.data, tok, lc.max_samples, lc.max_tokens, lc.split_seed, lc.heldout_percent, regenerate_with=generator,
+            regenerate_max_new_tokens=lc.regenerate_max_new_tokens,
+            regenerate_concurrency=1 if reference is not None else lc.concurrency,
+            regenerated_cache=Path(out_dir) / "regenerated.jsonl" if lc.regenerate else None)
+        seconds = {"live_setup_render_seconds": time.monotonic() - t0}
+        train = [LiveSample(s.index, s.conv_id, s.input_ids, s.loss_mask) for s in rendered if s.split == "train"]
+        held = [s for s in rendered if s.split == "heldout"][:lc.heldout_max_samples]
+        del rendered
+        if not train:
+            raise LiveError(f"--data {cfg.data}: no training conversation ({report.records} records read, "
+                            f"all held out or skipped). Fix: more conversations, or a lower heldout_percent")
+        try:  # the validation samples that choose the best checkpoint: the positions a file training carves out
+            val_at = set(validation_positions(len(train), cfg.val_percent, cfg.val_max_samples))
+        except ValueError as e:
+            raise LiveError(f"--data {cfg.data}: {e}") from None
+        val = [s for i, s in enumerate(train) if i in val_at]
+        train = [s for i, s in enumerate(train) if i not in val_at]
+        info = SourceInfo(layer_ids, tinfo.hidden_size, len(layer_ids), str(path), not lc.prefill_graph)
+        source = LiveSource(train, stream, info, layer_ids, rank=dist.rank, timeout_s=lc.timeout_s,
+                            cache=lc.cache_gb > 0 and cfg.epochs > 1)
+        bpt = bytes_per_token(len(layer_ids), tinfo.hidden_size, lc.storage)
+        live = LiveStream(feeder, source, bpt, int(lc.stream_gb * 1e9), int(lc.cache_gb * 1e9), lc.max_attempts,
+                          owns_dir=not lc.urls, log_path=Path(out_dir) / f"stream_log.rank{dist.rank}.jsonl")
+        t0 = time.monotonic()
+        if background is not None:
+            background.result()  # the server's start, or its error
+        live.prepare()
+        seconds["live_setup_server_wait_seconds"] = time.monotonic() - t0  # after the rendering: what it did not hide
+        source.stream = live
+        # captured once, checked, kept in host RAM: every rank the same sets (each scores its share)
+        t0 = time.monotonic()
+        heldout = MemorySource(_capture_once(live, held, info, heldout_key), info) if held else None
+        val_src = MemorySource(_capture_once(live, val, info, validation_key), info) if val else None
+        seconds["live_setup_capture_seconds"] = time.monotonic() - t0
+        print(f"[live] {report.records} conversations rendered in {seconds['live_setup_render_seconds']:.1f} s "
+              f"({workers_for(report.records)} process(es)); the capture server ready "
+              f"{seconds['live_setup_server_wait_seconds']:.1f} s after; {len(held)} held-out and {len(val)} validation "
+              f"samples captured and checked in {seconds['live_setup_capture_seconds']:.1f} s", flush=True)
+        extras = {"live_conversations": report.records, "live_train_conversations": len(train),
+                  "live_heldout_samples": len(held), "live_val_samples": len(val), "live_stream_dir": str(stream),
+                  "live_engine": lc.engine, "live_storage": lc.storage, "live_bytes_per_token": bpt, **seconds}
+        return source, heldout, val_src, extras
+    except BaseException:  # a server started here stops with the error (it would outlive the call)
+        if background is not None:
+            background.exception()  # its start ends first (a server it started is then closed below)
+        try:
+            if live is not None:
+                live.close()
+        finally:
+            feeder.close()
+        raise
 
 
 def _capture_once(live: LiveStream, samples, info, key_of) -> list[dict]:

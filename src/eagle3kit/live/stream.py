@@ -65,11 +65,17 @@ class SGLangFeeder:
         self.start_server, self.expect = start_server, expect
         self.relay = relay  # live.relay.RelayReceiver: the urls write on other hosts, their samples come here
         self.server = None
+        self.prepared = False
         self.restarts = 0
         self.dying_s = 30.0  # recover(): how long a server that refuses requests may take to exit or answer again
 
     def prepare(self, samples_dir: Path) -> None:
+        """Once (open_live starts its server while rendering, the regeneration before its replies): the relay
+        started, given servers checked, or a server started here."""
         samples_dir.mkdir(parents=True, exist_ok=True)
+        if self.prepared:
+            return
+        self.prepared = True
         if self.relay is not None:
             self.relay.start()
         if self.urls:
