@@ -123,9 +123,17 @@ class ReferenceBackend:
     memory) is run again one prompt at a time; a prompt that fails alone is reported as failed."""
 
     def __init__(self, engine, storage: str = "bf16", batch_tokens: int = 0):
-        self.engine, self.storage, self.batch_tokens = engine, storage, int(batch_tokens)
+        # ``engine``: a ReferenceEngine, or a function that makes one when the first sample is captured (a data file
+        # with nothing to capture is refused without loading the model)
+        self._engine, self.storage, self.batch_tokens = engine, storage, int(batch_tokens)
 
-    def prepare(self) -> None:  # the model is loaded already
+    @property
+    def engine(self):
+        if not hasattr(self._engine, "capture"):
+            self._engine = self._engine()
+        return self._engine
+
+    def prepare(self) -> None:  # the model is loaded on first use
         pass
 
     def close(self, samples_dir: Path | None = None) -> None:

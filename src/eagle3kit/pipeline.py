@@ -66,9 +66,12 @@ def run_extraction(cfg: ExtractConfig | None = None, **kw) -> dict:
     if cfg.regenerate:
         settings["regenerated_max_new_tokens"] = cfg.regenerate_max_new_tokens
     if cfg.engine == "transformers":
-        reference = ReferenceEngine(path, aux, final_normed=cfg.final_normed, dtype=cfg.reference_dtype,
-                                    device=cfg.reference_device)
-        backend = ReferenceBackend(reference, cfg.storage, batch_tokens=reference_batch_tokens)
+        def reference_engine():  # with the tokenizer above
+            return ReferenceEngine(path, aux, final_normed=cfg.final_normed, dtype=cfg.reference_dtype,
+                                   device=cfg.reference_device, tokenizer=tok)
+        # the model loaded first where the target writes the replies, else when the first sample is captured
+        reference = reference_engine() if cfg.regenerate else None
+        backend = ReferenceBackend(reference or reference_engine, cfg.storage, batch_tokens=reference_batch_tokens)
     else:  # sglang (ExtractConfig.validate admits no other engine)
         def start_server():
             from eagle3kit.capture.server import capture_server

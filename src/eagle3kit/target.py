@@ -201,12 +201,12 @@ class TargetInfo:
                    architecture=",".join(outer.get("architectures") or []))
 
 
-def load_model(path: Path, dtype: str = "float32", device: str = "cpu"):
-    """Tokenizer and eval-mode causal LM for the reference engine."""
+def load_model(path: Path, dtype: str = "float32", device: str = "cpu", tokenizer=None):
+    """Tokenizer and eval-mode causal LM for the reference engine (``tokenizer``: the target's, loaded already)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
     model = load_language_model(path, getattr(torch, dtype))  # a multimodal wrapper's language model (Kimi-K2.5)
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))

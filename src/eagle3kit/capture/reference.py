@@ -53,7 +53,7 @@ class ReferenceEngine:
         self.layer_ids = [int(k) for k in aux_layer_ids] + [L]
         self.final_normed = final_normed
         if model is None:
-            tokenizer, model = load_model(self.path, dtype=dtype, device=device)
+            tokenizer, model = load_model(self.path, dtype=dtype, device=device, tokenizer=tokenizer)
             if dtype == "bfloat16" and torch.device(device).type == "cpu":
                 fp32_gemms(model)
         self.tokenizer, self.model = tokenizer, model
