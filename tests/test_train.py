@@ -208,6 +208,7 @@ def test_fit_schedule_ends_the_cosine_within_the_time_budget(small_dataset, tmp_
     # where the time went besides the steps (the GPU run spent 173 of 377 s outside them): parts of the wall time
     parts = [s[f"train_{k}_seconds"] for k in ("setup", "eval", "export", "save")]
     assert all(x > 0 for x in parts) and s["train_seconds"] + sum(parts) <= s["train_wall_seconds"] <= took, s
+    assert 0 < s["train_setup_compile_seconds"] < s["train_setup_seconds"], s  # the flex probe and compile: setup
 
 
 def test_fit_schedule_times_its_pace_after_the_first_step(small_dataset, tmp_path, monkeypatch):

@@ -260,13 +260,16 @@ def setup(cfg: TrainConfig, dist: Dist | None = None, closing: contextlib.ExitSt
                       attn_implementation=flex.IMPL if sparse else "sdpa").to(device)
     head = head.placed(device)
     attention = "flex" if sparse else "sdpa"
+    t_compile = _now()
     if sparse and cfg.attention == "auto":
         attention = _probe_flex(cfg, model, device, len(aux) * tinfo.hidden_size)
     compiled = cfg.compile_layers and _compile_layers(cfg, model, device, len(aux) * tinfo.hidden_size)
+    compile_seconds = _now() - t_compile  # the flex probe and the layers' compile: part of the setup
     return Run(cfg, dist, device, train_src, heldout_src, info, target, vocab, freq, model, head,
                vocab.target_to_draft().to(device), vocab.ids.to(device), int(torch.argmax(freq)),
                extra={"aux_layer_ids": aux, "num_layers": tinfo.num_layers, "model_type": tinfo.model_type,
-                      "attention": attention, "compiled": bool(compiled), "live": live_extra}, val_src=val_src,
+                      "attention": attention, "compiled": bool(compiled), "live": live_extra,
+                      "compile_seconds": compile_seconds}, val_src=val_src,
                teacher_tokens=TeacherTokens(int(cfg.teacher_cache_gb * 1e9)) if cfg.teacher_cache_gb > 0 else None)
 
 
@@ -861,7 +864,8 @@ def _summary(run: Run, state: dict, lengths: list[int]) -> dict:
          "best_step": best.get("step", 0), "train_total_steps_planned": state.get("planned_steps", 0),
          "train_total_steps_fitted": state.get("total_steps", 0) if state.get("fitted") else 0,
          "train_stopped_early": bool(state.get("stopped_early")), "train_attention": run.extra.get("attention"),
-         "train_compiled_layers": bool(run.extra.get("compiled"))}
+         "train_compiled_layers": bool(run.extra.get("compiled")),
+         "train_setup_compile_seconds": run.extra.get("compile_seconds", 0.0)}
     for k, v in best.items():
         if k.startswith(("heldout_", "val_tau_")):
             s[k] = v
