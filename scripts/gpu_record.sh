@@ -205,8 +205,10 @@ for what in ${phases//,/ }; do
         # than this disk holds as files), then 05 on it at (3,1,4) and (7,1,8), batch 1; the held-out prompts from an
         # extraction of the first E3K_SCALE_SIZER conversations (the split hashes each conversation: their held-out ones
         # are held out of the live run too), whose bytes per sample size the live run's samples as files;
-        # E3K_TRAIN_MINUTES: the training's budget, setup included (default 12); an evaluation every 3,000 steps (each
-        # scores the validation and held-out samples, ~40 s on the GPU: at $P's 1,000 they would take a third of it)
+        # E3K_TRAIN_MINUTES: the training's budget, setup included (default 15: a setup of ~5 min and one epoch of the
+        # ~15.9 K training conversations, 21 M tokens at ~66 K tokens/s beside the capture server on the one GPU, take
+        # ~10.5 min; fewer minutes train on fewer distinct samples than the disk holds); an evaluation every 3,000
+        # steps (each scores the validation and held-out samples, ~40 s on the GPU: at $P's 1,000, a third of the run)
         S=$W/scale; rm -rf "$S"; mkdir -p "$S"
         $stop python3 -m eagle3kit.cli extract --engine sglang --max-samples ${E3K_SCALE_SIZER:-1000} --out "$S/data" \
           --port 30061 --server-args --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.35 \
@@ -215,7 +217,7 @@ for what in ${phases//,/ }; do
         live="{engine: sglang, port: 30071, stream_gb: 4, concurrency: 64, server_args: [--attention-backend, triton,"
         live="$live --sampling-backend, pytorch, --mem-fraction-static, '0.35']}"
         $stop python3 -m eagle3kit.cli run $P --only 04_train 05_acceptance --run-dir "$rec/run" \
-          --set 04_train.max_minutes=${E3K_TRAIN_MINUTES:-12} --set 04_train.eval_every=3000 --set "04_train.live=$live" \
+          --set 04_train.max_minutes=${E3K_TRAIN_MINUTES:-15} --set 04_train.eval_every=3000 --set "04_train.live=$live" \
           --set 05_acceptance.data=$S/data \
           --set "05_acceptance.sweep_steps=[3, 7]" --set "05_acceptance.trees=[]" --set "05_acceptance.concurrencies=[1]" \
           --set "05_acceptance.prompts_per_conc={1: 16}" --set 05_acceptance.untrained=false \
