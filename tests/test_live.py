@@ -4,8 +4,6 @@ resumes, and the drafter equals the one trained from files of the same conversat
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -221,21 +219,23 @@ def test_live_training_killed_resumed_equals_training_from_files(file_run):
 
     from eagle3kit.drafter.train import TrainConfig, train
 
+    from tests.training_runs import start
+
     root, file_summary = file_run
     out = root / "live"
-    args = [sys.executable, "-m", "eagle3kit.cli", "train", "--live", "--data", "embedded:sharegpt", "--out", str(out)]
+    args = ["train", "--live", "--data", "embedded:sharegpt", "--out", str(out)]
     args += [a for k, v in RECIPE.items() for a in ("--set", f"{k}={json.dumps(v)}")]
     args += [a for k, v in LIVE.items() for a in ("--live-set", f"{k}={json.dumps(v)}")]
-    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    p = start(args, root / "live.log")  # the CLI in a session of its own, forked from the preloaded forkserver
     log = out / "train_log.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:
+    while time.time() < deadline and p.is_alive():
         if log.exists() and len(log.read_text().splitlines()) >= 2 and (out / "checkpoints" / "last.pt").exists():
             break
         time.sleep(0.05)
-    assert p.poll() is None, "the live training ended before it could be killed mid-run"
+    assert p.is_alive(), "the live training ended before it could be killed mid-run"
     os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    p.join()
     steps_before = len(log.read_text().splitlines())
     assert 2 <= steps_before < file_summary["train_steps"]
     s = train(TrainConfig.from_dict({**RECIPE, "data": "embedded:sharegpt", "out_dir": str(out), "live": LIVE}))
