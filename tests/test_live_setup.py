@@ -52,9 +52,10 @@ def setup_run(tmp_path, monkeypatch, target_path):
     monkeypatch.setattr(E, "load_samples", load_samples)
     stream = Path("/dev/shm") / f"e3k-test-setup-{uuid.uuid4().hex[:8]}"
 
-    def cfg(data="embedded:sharegpt"):
+    def cfg(data="embedded:sharegpt", samples=12):
         return TrainConfig(data=data, target=str(target_path), out_dir=str(tmp_path / "run"), epochs=1,
-                           live={"engine": "sglang", "max_samples": 12, "max_tokens": 256, "stream_dir": str(stream)})
+                           live={"engine": "sglang", "max_samples": samples, "max_tokens": 256,
+                                 "stream_dir": str(stream)})
     yield events, cfg
     import shutil
 
@@ -94,3 +95,36 @@ def test_a_setup_that_fails_after_the_servers_start_stops_it(setup_run, monkeypa
         S.open_live(config, Dist(0, 1, 0), Path(config.out_dir))
     assert ("empty" in str(e.value)) if where == "rendering" else ("fails the check" in str(e.value)), e.value
     assert "server start" in events and events[-1] == "server stop", events
+
+
+def test_the_conversations_are_kept_compactly_as_they_render(setup_run, monkeypatch):
+    """A rendered sample holds its tokens as Python lists (~44 bytes a token: tens of GB a rank at 600 K
+    conversations); open_live keeps each as a LiveSample (5 bytes a token) as soon as it is rendered, so at most one
+    training sample is held as lists at a time (the held-out ones are kept as they are). Taking the whole list first,
+    as before, held all 27."""
+    import weakref
+
+    events, cfg = setup_run
+    monkeypatch.setattr(S, "_capture_once", lambda live, samples, info, key: [])
+    alive, most, seen = [0], [0], [0]
+    real_load = E.load_samples  # the fixture's stand-in, which calls the real one
+
+    def gone():
+        alive[0] -= 1
+
+    def load_samples(*a, **kw):
+        samples, report = real_load(*a, **kw)
+
+        def tracked():
+            for s in samples:
+                alive[0] += 1
+                seen[0] += 1
+                most[0] = max(most[0], alive[0])
+                weakref.finalize(s, gone)
+                yield s
+        return (tracked() if kw.get("lazy") else list(tracked())), report
+    monkeypatch.setattr(E, "load_samples", load_samples)
+    src, held, val, extras = S.open_live(cfg(samples=40), Dist(0, 1, 0), Path(cfg().out_dir))
+    src.close()
+    assert seen[0] >= 20, seen  # 27 of the first 40 conversations are samples (the rest skipped)
+    assert most[0] <= extras["live_heldout_samples"] + 2, (most, extras["live_heldout_samples"])

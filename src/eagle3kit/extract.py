@@ -18,7 +18,7 @@ from eagle3kit import checksum
 from eagle3kit.capture.format import STORAGES, remove_dead_writers_tmp
 from eagle3kit.data.conversations import load_conversations, split_of
 from eagle3kit.data.render import mask_spans
-from eagle3kit.data.render_pool import render_all
+from eagle3kit.data.render_pool import iter_render
 from eagle3kit.store import (SETTINGS, ManifestWriter, StoreError, check_settings, compact_manifest,
                              cut_torn_tail, read_manifest, token_sha256, verify)
 
@@ -77,19 +77,29 @@ def prepare_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int 
     ``leave_out``: conversation ids not to render (their indices, and so every other key, stay). ``skipped``: where
     the conversations of this shard that become no sample are counted, by reason (the loader's report's).
     ``workers``: processes that render (None: ``render_pool.workers_for``); the samples are the same for any number."""
+    return list(iter_samples(conversations, tokenizer, max_tokens, seed, heldout_percent, world_size, rank,
+                             min_loss_tokens, leave_out, skipped, workers))
+
+
+def iter_samples(conversations, tokenizer, max_tokens: int = 2048, seed: int = 0, heldout_percent: float = 5.0,
+                 world_size: int = 1, rank: int = 0, min_loss_tokens: int = 1, leave_out=(),
+                 skipped: dict | None = None, workers: int | None = None):
+    """``prepare_samples`` one sample at a time (``skipped`` is complete once it is exhausted)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     mine = [(i, conv) for i, conv in enumerate(conversations) if i % world_size == rank and conv["id"] not in leave_out]
-    results = render_all(tokenizer, [conv for _, conv in mine], max_tokens, min_loss_tokens, workers)
-    out = []
+    return _samples(mine, iter_render(tokenizer, [conv for _, conv in mine], max_tokens, min_loss_tokens, workers),
+                    seed, heldout_percent, world_size, rank, skipped)
+
+
+def _samples(mine, results, seed, heldout_percent, world_size, rank, skipped):
     for (i, conv), (r, why) in zip(mine, results):
         if why:
             if skipped is not None:  # a shard's own count, beside the loader's counts of every conversation
                 why = why if world_size == 1 else f"{why} (rank {rank}'s shard of {world_size})"
                 skipped[why] = skipped.get(why, 0) + 1
             continue
-        out.append(Sample(f"s{i:07d}", i, conv["id"], split_of(conv["id"], seed, heldout_percent), r[0], r[1]))
-    return out
+        yield Sample(f"s{i:07d}", i, conv["id"], split_of(conv["id"], seed, heldout_percent), r[0], r[1])
 
 
 def bytes_per_token(n_states: int, hidden_size: int, storage: str, final_normed: bool = False) -> float:
@@ -337,8 +347,10 @@ def settings_for(target_path, info, layer_ids, storage, data, max_tokens, final_
 def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int, seed: int = 0,
                  heldout_percent: float = 5.0, world_size: int = 1, rank: int = 0, regenerate_with=None,
                  regenerate_max_new_tokens: int = 512, regenerate_concurrency: int = 1, regenerated_cache=None,
-                 regenerate_seconds: float | None = None):
+                 regenerate_seconds: float | None = None, lazy: bool = False):
     """Conversations -> rendered samples of this shard; also returns the loader's report (truncation etc.).
+    ``lazy``: the samples as an iterator (``iter_samples``; the report's skip counts are complete once it is
+    exhausted), for a caller that keeps them compactly.
     ``regenerate_with``: a generator (see data.regenerate) that replaces the assistant turns first; the replies are
     kept in ``regenerated_cache`` (JSONL) so that a resumed run renders exactly the same tokens.
     ``regenerate_seconds``: no new conversation is regenerated after that long (0: only the cached replies), counted
@@ -378,8 +390,9 @@ def load_samples(data: str, tokenizer, max_samples: int | None, max_tokens: int,
                   f"{len(left)} of {len(range(rank, len(convs), world_size))} conversations left out (a rerun into the same "
                   f"folder with a larger budget regenerates and captures them)")
         convs = [done.get(c["id"], c) if i % world_size == rank else c for i, c in enumerate(convs)]
-    return prepare_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank,
-                           leave_out=left, skipped=report.skipped), report
+    samples = iter_samples(convs, tokenizer, max_tokens, seed, heldout_percent, world_size, rank, leave_out=left,
+                           skipped=report.skipped)
+    return (samples if lazy else list(samples)), report
 
 
 def _read_regenerated(cache: Path) -> dict:

@@ -46,15 +46,27 @@ def _chunk(args):
 
 def render_all(tokenizer, convs: list, max_tokens: int, min_loss_tokens: int, workers: int | None = None) -> list:
     """``render_one`` of each conversation, in order; ``workers`` processes (None: ``workers_for``)."""
+    return list(iter_render(tokenizer, convs, max_tokens, min_loss_tokens, workers))
+
+
+def iter_render(tokenizer, convs: list, max_tokens: int, min_loss_tokens: int, workers: int | None = None):
+    """``render_all`` one result at a time, in order, as the workers give them: a caller that keeps each sample
+    compactly never holds the whole data set as lists of Python ints (~44 bytes a token)."""
     workers = workers_for(len(convs)) if workers is None else workers
     if workers <= 1:
-        return [render_one(tokenizer, c, max_tokens, min_loss_tokens) for c in convs]
+        for c in convs:
+            yield render_one(tokenizer, c, max_tokens, min_loss_tokens)
+        return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     # forkserver: workers start from a clean process (the caller may hold threads: a server feeder, torch's)
-    size = max(1, len(convs) // (workers * 8))
+    size = max(1, min(256, len(convs) // (workers * 8)))
     jobs = [(convs[a:a + size], max_tokens, min_loss_tokens) for a in range(0, len(convs), size)]
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"),
-                             initializer=_init, initargs=(tokenizer,)) as pool:
-        return [r for part in pool.map(_chunk, jobs) for r in part]
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"), initializer=_init,
+                               initargs=(tokenizer,))
+    try:
+        for part in pool.map(_chunk, jobs):
+            yield from part
+    finally:  # a caller that stops early (an error) does not wait for the rest to render
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -124,11 +124,14 @@ def open_live(cfg, dist, out_dir: Path):
             cfg.data, tok, lc.max_samples, lc.max_tokens, lc.split_seed, lc.heldout_percent, regenerate_with=generator,
             regenerate_max_new_tokens=lc.regenerate_max_new_tokens,
             regenerate_concurrency=1 if reference is not None else lc.concurrency,
-            regenerated_cache=Path(out_dir) / "regenerated.jsonl" if lc.regenerate else None)
+            regenerated_cache=Path(out_dir) / "regenerated.jsonl" if lc.regenerate else None, lazy=True)
+        train, held = [], []  # each sample kept compactly as it is rendered (the data set never held as lists)
+        for s in rendered:
+            if s.split == "train":
+                train.append(LiveSample(s.index, s.conv_id, s.input_ids, s.loss_mask))
+            elif len(held) < lc.heldout_max_samples:
+                held.append(s)
         seconds = {"live_setup_render_seconds": time.monotonic() - t0}
-        train = [LiveSample(s.index, s.conv_id, s.input_ids, s.loss_mask) for s in rendered if s.split == "train"]
-        held = [s for s in rendered if s.split == "heldout"][:lc.heldout_max_samples]
-        del rendered
         if not train:
             raise LiveError(f"--data {cfg.data}: no training conversation ({report.records} records read, "
                             f"all held out or skipped). Fix: more conversations, or a lower heldout_percent")
