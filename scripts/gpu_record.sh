@@ -19,6 +19,7 @@
 #   faults: tests/test_gpu_faults.py (#12: 256 requests in flight up to the context limit, every token checked, the
 #     check's negative controls on them; kill -9 of the server mid-extraction and resume) and the bad-input trial
 #     (eagle3kit trial), figures in the phase's metrics.json; E3K_FAULTS_K: pytest -k to run some of the tests
+#   kimitrain: benchmarks/train_throughput.py at Kimi-K2.5's geometry (a head-only target, synthetic states; #44)
 #   writerbench: benchmarks/writer_throughput.py --kimi, bf16 and fp8 (#13: the writer alone at hidden 7168, 4 slots;
 #     durable GB/s and the Kimi prefill it keeps up with), and benchmarks/disk_write.py on the same disk
 #   writerab: benchmarks/writer_ab.py, the writer's checksum and file threads against each other (#13)
@@ -314,6 +315,21 @@ for what in ${phases//,/ }; do
         --steps ${E3K_BENCH_STEPS:-40} --rounds ${E3K_BENCH_ROUNDS:-2} --timeout-s 150 --workers ${E3K_BENCH_WORKERS:-6} ${E3K_BENCH_ARGS:-} \
         2>&1 | tee "$rec/bench-stdout.log"; rc=${PIPESTATUS[0]}
         rm -rf "$rec/speculators_data" ;;  # its copy of the hidden states (GBs): the disk is shared with the next phases
+    kimitrain) rc=0  # #44's Kimi geometry, the training side: eagle3kit's trainer alone on the GPU at Kimi-K2.5's
+        # geometry (hidden 7168, vocabulary 163,840 for the teacher's head, 4 slots), the Llama head and the MLA head
+        # (--ab drafter=mla): a head-only target and E3K_KT_SAMPLES (64) ShareGPT samples of random states
+        # (eagle3kit.synthetic; ~5 GB), then benchmarks/train_throughput.py; its tokens/s against the stream's 38.8 K
+        # tokens/s (results §11) say how many training GPUs one capture server feeds
+        K=/root/kimitrain; rm -rf "$K"
+        $stop python3 -c "import sys; from eagle3kit.synthetic import make_head_only, write_synthetic_dataset as w
+from eagle3kit.target import resolve_target
+t = make_head_only(sys.argv[1] + '/target', resolve_target('embedded:smollm2'))
+print(w(sys.argv[1] + '/data', t, int(sys.argv[2]), 2048))" "$K" ${E3K_KT_SAMPLES:-64} > "$rec/make.log" 2>&1 || rc=1
+        $stop python3 benchmarks/train_throughput.py --data "$K/data" --out "$rec" --device cuda --passes eagle3kit,compute \
+          --steps ${E3K_BENCH_STEPS:-30} --rounds ${E3K_BENCH_ROUNDS:-3} --tokens-per-batch 8192 --timeout-s 300 \
+          --set draft_vocab_size=32000 --ab drafter=mla ${E3K_BENCH_ARGS:-} 2>&1 | tee "$rec/bench-stdout.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        rm -rf "$K" ;;  # ~10 GB of weights and states: the disk is shared with the next phases
     writerbench) rc=0  # #13: the writer alone at Kimi-K2.5's geometry (GPU states, fp8 encoded in the hook), and the disk
         for s in bf16 fp8; do
           python3 benchmarks/writer_throughput.py --kimi --forwards ${E3K_WB_FORWARDS:-40} --storage $s --dir /root/wb \
