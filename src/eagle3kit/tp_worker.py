@@ -22,6 +22,7 @@ def launch(argv: list[str], nproc: int) -> None:
     """``main(argv)`` on ``nproc`` gloo ranks of this host, started by torch's elastic launcher from a preloaded
     forkserver; the ranks' output goes to this process's. A rank that fails raises (ChildFailedError)."""
     import multiprocessing
+    import shutil
     import socket
     import tempfile
 
@@ -36,7 +37,10 @@ def launch(argv: list[str], nproc: int) -> None:
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                        rdzv_endpoint=f"127.0.0.1:{port}", run_id=f"e3k-tp-{os.getpid()}", max_restarts=0,
                        start_method="forkserver", monitor_interval=0.05, logs_specs=DefaultLogsSpecs(log_dir=logs))
-    elastic_launch(cfg, main)(argv)
+    try:
+        elastic_launch(cfg, main)(argv)
+    finally:  # the launcher's own log folder: the ranks' output already went to this process's
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def main(argv=None):
