@@ -15,7 +15,9 @@ pip() { .venv/bin/python -m pip "$@" 2>&1 | grep -vE '^WARNING: Location|^$' || 
 # Where uv cannot be had or fails, pip does the step.
 UVF=()
 if pip install -q uv >/dev/null && [ -x .venv/bin/uv ]; then
-  UVF=(--python .venv/bin/python --index-strategy unsafe-best-match -q)  # pip's choice: the best version of any index
+  # pip's choice of version (the best of any index); bytecode compiled now, as pip does: where PYTHONDONTWRITEBYTECODE
+  # is set (this machine kind), nothing would ever write it, and every import would compile its module again
+  UVF=(--python .venv/bin/python --index-strategy unsafe-best-match --compile-bytecode -q)
   while IFS= read -r line; do  # e.g. global.extra-index-url='file:///a file:///b'
     key=${line%%=*}; val=${line#*=}; val=${val#\'}; val=${val%\'}
     case "$key" in
