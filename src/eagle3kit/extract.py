@@ -133,8 +133,8 @@ class ReferenceBackend:
     memory) is run again one prompt at a time; a prompt that fails alone is reported as failed."""
 
     def __init__(self, engine, storage: str = "bf16", batch_tokens: int = 0):
-        # ``engine``: a ReferenceEngine, or a function that makes one when the first sample is captured (a data file
-        # with nothing to capture is refused without loading the model)
+        # ``engine``: a ReferenceEngine, or a function that makes one in ``prepare`` (a data file with nothing to
+        # capture is refused before it, without loading the model)
         self._engine, self.storage, self.batch_tokens = engine, storage, int(batch_tokens)
 
     @property
@@ -143,8 +143,10 @@ class ReferenceBackend:
             self._engine = self._engine()
         return self._engine
 
-    def prepare(self) -> None:  # the model is loaded on first use
-        pass
+    def prepare(self) -> None:
+        """The model loaded (if only a function that makes it was given): extract calls this once the data has
+        something to capture, before its clock for the capture starts."""
+        _ = self.engine
 
     def close(self, samples_dir: Path | None = None) -> None:
         pass

@@ -69,7 +69,7 @@ def run_extraction(cfg: ExtractConfig | None = None, **kw) -> dict:
         def reference_engine():  # with the tokenizer above
             return ReferenceEngine(path, aux, final_normed=cfg.final_normed, dtype=cfg.reference_dtype,
                                    device=cfg.reference_device, tokenizer=tok)
-        # the model loaded first where the target writes the replies, else when the first sample is captured
+        # the model loaded first where the target writes the replies, else once the data has something to capture
         reference = reference_engine() if cfg.regenerate else None
         backend = ReferenceBackend(reference or reference_engine, cfg.storage, batch_tokens=reference_batch_tokens)
     else:  # sglang (ExtractConfig.validate admits no other engine)
