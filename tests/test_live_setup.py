@@ -63,8 +63,8 @@ def setup_run(tmp_path, monkeypatch, target_path):
 
 
 def test_the_capture_server_starts_while_the_conversations_render(setup_run, monkeypatch, capsys):
-    """The server's start (weights, kernels: 34 s on the GPU run) overlaps the rendering (2 min there for 17,671
-    conversations), and the setup's parts are timed in the summary and said on one line."""
+    """The server's start (weights, kernels: tens of seconds on a GPU) overlaps the rendering (minutes for tens of
+    thousands of conversations), and the setup's parts are timed in the summary and said on one line."""
     events, cfg = setup_run
     monkeypatch.setattr(S, "_capture_once", lambda live, samples, info, key: [])  # no SGLang to capture here
     src, held, val, extras = S.open_live(cfg(), Dist(0, 1, 0), Path(cfg().out_dir))
