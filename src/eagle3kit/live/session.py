@@ -44,7 +44,6 @@ def open_live(cfg, dist, out_dir: Path):
     with ``live``)."""
     from transformers import AutoTokenizer
 
-    from eagle3kit.data.render_pool import workers_for
     from eagle3kit.drafter.data import SourceInfo, validation_positions
     from eagle3kit.extract import bytes_per_token, load_samples
     from eagle3kit.pipeline import default_aux
@@ -158,8 +157,8 @@ def open_live(cfg, dist, out_dir: Path):
         heldout = MemorySource(_capture_once(live, held, info, heldout_key), info) if held else None
         val_src = MemorySource(_capture_once(live, val, info, validation_key), info) if val else None
         seconds["live_setup_capture_seconds"] = time.monotonic() - t0
-        print(f"[live] {report.records} conversations rendered in {seconds['live_setup_render_seconds']:.1f} s "
-              f"({workers_for(report.records)} process(es)); the capture server ready "
+        print(f"[live] {report.records} conversations rendered in {seconds['live_setup_render_seconds']:.1f} s; "
+              f"the capture server ready "
               f"{seconds['live_setup_server_wait_seconds']:.1f} s after; {len(held)} held-out and {len(val)} validation "
               f"samples captured and checked in {seconds['live_setup_capture_seconds']:.1f} s", flush=True)
         extras = {"live_conversations": report.records, "live_train_conversations": len(train),
