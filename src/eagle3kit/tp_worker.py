@@ -1,7 +1,8 @@
 """One rank of the CPU tensor-parallel reference: ``torchrun --nproc-per-node N -m eagle3kit.tp_worker ...``, or
 ``python -m eagle3kit.tp_worker --nproc N ...`` (what ``tp_check.run_cpu_tp`` runs): torch's elastic launcher, the
-agent and rendezvous torchrun runs, with the ranks forked from a forkserver that imported torch, transformers and
-the reference engine once (~10 s of imports a fresh rank would pay each, 3 ranks on 2 cores).
+agent and rendezvous torchrun runs, with the ranks forked from the launcher once it has imported torch, transformers
+and the reference engine (~10 s of imports a fresh rank would pay each, 3 ranks on 2 cores; a forkserver would pay
+them once more in an interpreter of its own).
 
 transformers shards the model over the ranks (``tp_plan="auto"``, gloo on the CPU); every rank writes its own
 capture files (``<key>.rank<r>.safetensors``) so that the TP check can compare them.
@@ -19,9 +20,10 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.ll
 
 
 def launch(argv: list[str], nproc: int) -> None:
-    """``main(argv)`` on ``nproc`` gloo ranks of this host, started by torch's elastic launcher from a preloaded
-    forkserver; the ranks' output goes to this process's. A rank that fails raises (ChildFailedError)."""
-    import multiprocessing
+    """``main(argv)`` on ``nproc`` gloo ranks of this host, started by torch's elastic launcher, forked from this
+    process once it has imported ``PRELOAD`` (it computes nothing before the fork: no thread pool for a child to
+    inherit); the ranks' output goes to this process's. A rank that fails raises (ChildFailedError)."""
+    import importlib
     import shutil
     import socket
     import tempfile
@@ -32,11 +34,12 @@ def launch(argv: list[str], nproc: int) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    multiprocessing.set_forkserver_preload(PRELOAD)
+    for m in PRELOAD:
+        importlib.import_module(m)
     logs = tempfile.mkdtemp(prefix="e3k-tp-")
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                        rdzv_endpoint=f"127.0.0.1:{port}", run_id=f"e3k-tp-{os.getpid()}", max_restarts=0,
-                       start_method="forkserver", monitor_interval=0.05, logs_specs=DefaultLogsSpecs(log_dir=logs))
+                       start_method="fork", monitor_interval=0.05, logs_specs=DefaultLogsSpecs(log_dir=logs))
     try:
         elastic_launch(cfg, main)(argv)
     finally:  # the launcher's own log folder: the ranks' output already went to this process's
