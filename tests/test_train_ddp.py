@@ -11,7 +11,7 @@ import torch
 
 from eagle3kit.drafter.train import TrainConfig, TrainError, train
 from tests.conftest import TINY_DRAFTER as TINY
-from tests.training_runs import cli, env, launch, train_args, weights
+from tests.training_runs import cli, env, launch, start_ranks, train_args, weights
 
 
 # the DDP tests' training: 12 steps, a checkpoint every 2, an evaluation every 6
@@ -43,29 +43,27 @@ def test_two_gloo_ranks_equal_one_rank_with_the_same_global_batch(small_dataset,
 
 @pytest.mark.slow
 def test_two_gloo_ranks_resume_exactly_after_a_kill(small_dataset, two_rank_run, tmp_path):
-    """Exact resume under DDP: two gloo ranks killed (SIGKILL to torchrun's whole group) after a checkpoint, then
+    """Exact resume under DDP: two gloo ranks killed (SIGKILL to the launcher's whole group) after a checkpoint, then
     resumed, end with the weights of an uninterrupted two-rank run (each rank's data position, the optimizer and the
     schedule come back; a rank resuming elsewhere in its shard would train on other batches)."""
     cut = tmp_path / "cut2"
-    p = subprocess.Popen(cli(small_dataset, cut, DDP, torchrun=2), env=env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
-    ckpt, killed_at = cut / "checkpoints" / "last.pt", None
+    p = start_ranks(train_args(small_dataset, cut, DDP), tmp_path / "cut2.log")  # the agent and its two ranks
+    ckpt, killed_at, ranks = cut / "checkpoints" / "last.pt", None, []
     deadline = time.time() + 600
-    while time.time() < deadline and p.poll() is None:
+    while time.time() < deadline and p.is_alive():
         if ckpt.exists():
             try:
                 step = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]
             except Exception:  # being replaced at this moment
                 step = 0
-            if step >= 4:  # the machine dies: torchrun and its workers, each worker in a session of its own
-                workers = [int(x) for x in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
-                for pid in [p.pid, *workers]:
-                    os.kill(pid, signal.SIGKILL)
+            if step >= 4:  # the machine dies: the agent and its ranks, one process group
+                ranks = [int(x) for x in open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()]
+                os.killpg(p.pid, signal.SIGKILL)
                 killed_at = step
                 break
         time.sleep(0.05)
-    p.wait()
-    for pid in workers if killed_at is not None else []:
+    p.join()
+    for pid in ranks:
         while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1][:3]:
             time.sleep(0.05)  # gone (or a zombie until init reaps it)
     left = torch.load(ckpt, map_location="cpu", weights_only=True)["state"]["step"]  # what the kill left on disk
