@@ -35,8 +35,8 @@ def launch(argv, nproc: int = 2) -> tuple[dict, dict]:
     torchrun runs) with the CLI's ``main`` as a function, from a forkserver that imported the trainer once (one thread
     each, as ``env()``): a rank skips the ~9 s of imports a fresh interpreter pays (torch, transformers, speculators),
     21 s -> 12 s a two-rank run of the DDP tests on the 2-core machine, with bit-equal weights. Returns ({rank: exit
-    code}, {rank: its stdout + stderr}). The kill and hang tests keep torchrun itself (a subprocess to kill or time
-    out)."""
+    code}, {rank: its stdout + stderr}). The kill test starts its ranks with ``start_ranks`` (a session to kill);
+    the hang test keeps torchrun itself (a subprocess to time out, and torchrun's own command line run once)."""
     import shutil
     import tempfile
     from pathlib import Path
