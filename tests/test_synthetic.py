@@ -5,7 +5,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from eagle3kit.synthetic import KIMI_K25_TEXT, make_head_only, write_synthetic_dataset
+from eagle3kit.synthetic import KIMI_K25_TEXT, make_head_only, random_states, write_synthetic_dataset
 from tests.conftest import TINY_DRAFTER
 
 SMALL = {**KIMI_K25_TEXT, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
@@ -52,3 +52,20 @@ def test_a_drafter_trains_on_synthetic_states_of_the_head_only_target(head_only,
     with pytest.raises(Exception, match="hidden size"):
         train(TrainConfig(data=str(data), target=str(other), out_dir=str(tmp_path / "run2"), max_steps=1,
                           **TINY_DRAFTER))
+
+
+def test_the_synthetic_last_slot_is_pre_norm_by_value_at_kimis_hidden_size():
+    """The trainer's post-norm probe (``doctor.post_norm_share``) sees the synthetic last slot as pre-norm at Kimi's
+    hidden 7168, against the head-only target's norm weight (ones), where plain N(0, 1) rows, RMS 1 within 1 %, look
+    like the norm's output and are refused."""
+    import torch
+
+    from eagle3kit.doctor import post_norm_share
+
+    hidden = KIMI_K25_TEXT["hidden_size"]
+    ones = torch.ones(hidden, dtype=torch.bfloat16)
+    states = random_states(64, 4, hidden, torch.Generator().manual_seed(0))
+    assert states.shape == (64, 4, hidden) and states.dtype == torch.bfloat16
+    assert post_norm_share(states[:, -1], ones) < 0.5
+    plain = torch.randn(64, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert post_norm_share(plain, ones) > 0.5

@@ -49,9 +49,18 @@ def make_head_only(out: Path, tokenizer_dir: Path, config: dict | None = None, s
     return out
 
 
+def random_states(n_tokens: int, n_slots: int, hidden_size: int, generator: torch.Generator) -> torch.Tensor:
+    """Random residual-stream states, ``[n_tokens, n_slots, hidden_size]`` bf16: N(0, 1) rows, each token's scaled by
+    its own log-normal factor (e^N(0, 1)). A real residual stream's RMS varies from token to token; rows of RMS 1
+    are what a final norm of weight 1 outputs, and the trainer refuses such a last slot as post-norm (unscaled
+    N(0, 1) rows at hidden 7168 have RMS 1 within 1 %)."""
+    scale = torch.randn(n_tokens, 1, 1, generator=generator).exp()
+    return (torch.randn(n_tokens, n_slots, hidden_size, generator=generator) * scale).to(torch.bfloat16)
+
+
 class SyntheticEngine:
-    """The reference engine's capture interface, writing random states of ``target``'s geometry (N(0, 1), bf16) for
-    the requested token ids: every sample a file as a capture makes it, checked as one."""
+    """The reference engine's capture interface, writing random states of ``target``'s geometry (``random_states``)
+    for the requested token ids: every sample a file as a capture makes it, checked as one."""
 
     def __init__(self, target: Path, layer_ids: list[int], num_layers: int, hidden_size: int, seed: int = 0):
         self.target, self.layer_ids, self.num_layers, self.hidden_size = Path(target), layer_ids, num_layers, hidden_size
@@ -62,7 +71,7 @@ class SyntheticEngine:
         from eagle3kit.capture.format import capture_metadata, write_sample
 
         g = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}".encode()))  # the same file every run
-        hs = torch.randn(len(token_ids), len(self.layer_ids), self.hidden_size, generator=g).to(torch.bfloat16)
+        hs = random_states(len(token_ids), len(self.layer_ids), self.hidden_size, g)
         meta = capture_metadata("synthetic", str(self.target), rank, tp_size, self.layer_ids, self.num_layers, False)
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         return write_sample(Path(out_dir), key, rank, {"hidden_states": hs,
