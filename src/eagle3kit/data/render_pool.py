@@ -24,10 +24,15 @@ def render_one(tokenizer, conv, max_tokens: int, min_loss_tokens: int):
     return (r.input_ids, r.loss_mask), None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or launcher can narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def workers_for(n_convs: int) -> int:
     """Processes that render ``n_convs`` conversations: one below PARALLEL_FROM or on <= 2 cores (a pool's start
     costs more than it saves there), else one per core up to 16."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return 1 if n_convs < PARALLEL_FROM or cores <= 2 else min(cores, 16)
 
 

@@ -9,6 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
+from eagle3kit.data.render_pool import usable_cores
 from eagle3kit.live.config import LiveConfig, LiveError
 from eagle3kit.live.source import LiveSample, LiveSource, MemorySource, check_capture, heldout_key, validation_key
 from eagle3kit.live.stream import LiveStream, ReferenceFeeder, SGLangFeeder
@@ -157,7 +158,8 @@ def open_live(cfg, dist, out_dir: Path):
         heldout = MemorySource(_capture_once(live, held, info, heldout_key), info) if held else None
         val_src = MemorySource(_capture_once(live, val, info, validation_key), info) if val else None
         seconds["live_setup_capture_seconds"] = time.monotonic() - t0
-        print(f"[live] {report.records} conversations rendered in {seconds['live_setup_render_seconds']:.1f} s; "
+        print(f"[live] {report.records} conversations rendered in {seconds['live_setup_render_seconds']:.1f} s "
+              f"({usable_cores()} cores usable); "
               f"the capture server ready "
               f"{seconds['live_setup_server_wait_seconds']:.1f} s after; {len(held)} held-out and {len(val)} validation "
               f"samples captured and checked in {seconds['live_setup_capture_seconds']:.1f} s", flush=True)
