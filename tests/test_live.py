@@ -323,3 +323,27 @@ def test_live_with_regenerated_replies_trains_as_from_files_extracted_with_them(
     live_w = load_file(str(tmp_path / "live" / "final" / "model.safetensors"))
     file_w = load_file(str(tmp_path / "file" / "final" / "model.safetensors"))
     assert live_w.keys() == file_w.keys() and all(torch.equal(live_w[k], file_w[k]) for k in live_w)
+
+
+def test_the_stream_captures_while_the_untrained_drafter_is_evaluated(tmp_path, monkeypatch):
+    """The first epoch is handed to the stream before the initial evaluation, so its captures overlap that evaluation
+    (on a GPU ~40 s, and the first step's compile after it) instead of starting with the first step. The evaluation
+    here waits until the stream holds a capture; a stream started only by the training loop never does (20 s)."""
+    import eagle3kit.drafter.train as T
+    from eagle3kit.drafter.train import TrainConfig, train
+
+    seen, real = [], T.evaluate
+
+    def evaluate(run, *a, **kw):
+        if not seen:  # the first call: the untrained drafter's held-out evaluation
+            deadline = time.time() + 20
+            while time.time() < deadline and not run.train_src.stream.progress()["buffered"]:
+                time.sleep(0.05)
+            seen.append(run.train_src.stream.progress())
+        return real(run, *a, **kw)
+
+    monkeypatch.setattr(T, "evaluate", evaluate)
+    s = train(TrainConfig.from_dict({**RECIPE, "data": "embedded:sharegpt", "out_dir": str(tmp_path / "live"),
+                                     "max_steps": 2, "live": {**LIVE, "max_samples": 8}}))
+    assert seen and seen[0]["buffered"] > 0, seen
+    assert s["train_steps"] == 2 and s["live_samples_lost"] == 0 and s["live_samples_duplicated"] == 0

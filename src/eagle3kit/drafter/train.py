@@ -668,6 +668,23 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
         last["eval"] = _now() - t0
         return m
 
+    def epoch_rows(epoch, in_epoch):
+        """The epoch's packed rows that the steps left read (a plan ends mid-epoch at max_steps; a fitted plan only
+        gets shorter): the loader prefetches no more, and the stream captures no sample that no step would train on."""
+        batches = D.epoch_plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch, steps_per_epoch * per_step)
+        return batches[:min(len(batches), (in_epoch + total_steps - state["step"]) * per_step)]
+
+    def schedule_live(epoch, in_epoch, batches):
+        """What this rank reads this epoch, in order: the stream captures it ahead."""
+        run.train_src.schedule(epoch, [i for j in range(in_epoch * per_step, len(batches))
+                                       if j % dist.world == dist.rank for i in batches[j]])
+
+    scheduled = None  # (epoch, in_epoch) handed to the stream before the loop
+    if live is not None and state["step"] < total_steps:
+        # the stream starts capturing the first rows now, while the untrained drafter is evaluated (and the first
+        # step compiles), instead of after: its bound fills before the first step asks
+        scheduled = divmod(state["step"], steps_per_epoch)
+        schedule_live(*scheduled, epoch_rows(*scheduled))
     setup_seconds = _now() - t_call
     last = {"eval": 0.0, "save": 0.0, "export": 0.0}  # the latest of each: what the budget keeps back for the stop
     if state["step"] == 0 and not ckpt.exists():
@@ -682,13 +699,10 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
     refit_at = t_refit = eval_at_fit = last_fit = refit_after_s = None
     while state["step"] < total_steps and not state.get("stopped_early"):
         epoch, in_epoch = divmod(state["step"], steps_per_epoch)
-        batches = D.epoch_plan(lengths, cfg.tokens_per_batch, cfg.seed, epoch, steps_per_epoch * per_step)
-        # the rows the steps left read (a plan ends mid-epoch at max_steps; a fitted plan only gets shorter): the loader
-        # prefetches no more, and the stream captures no more (a GPU run captured 1,744 samples for 1,300 trained on)
-        batches = batches[:min(len(batches), (in_epoch + total_steps - state["step"]) * per_step)]
-        if live is not None:  # what this rank reads this epoch, in order: the stream captures it ahead
-            run.train_src.schedule(epoch, [i for j in range(in_epoch * per_step, len(batches))
-                                           if j % dist.world == dist.rank for i in batches[j]])
+        batches = epoch_rows(epoch, in_epoch)
+        if live is not None and (epoch, in_epoch) != scheduled:  # the first epoch was handed over before the loop
+            schedule_live(epoch, in_epoch, batches)
+        scheduled = None
         it = iter(D.loader(run.train_src, batches, run.info.n_states, run.info.hidden_size, cfg.tokens_per_batch,
                            start=in_epoch * per_step, rank=dist.rank, world=dist.world, workers=cfg.workers,
                            pin=run.device.type == "cuda", rows=cfg.rows_per_batch))
