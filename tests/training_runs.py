@@ -92,7 +92,8 @@ def start_ranks(argv, log, nproc: int = 2):
     """``eagle3kit <argv>`` on ``nproc`` gloo ranks, as ``launch`` runs them, but in a process of its own session (the
     elastic agent, forked from the preloaded forkserver), the ranks forked from it, all their output in ``log``: a
     test that kills the run (os.killpg: the agent and its ranks together, as SIGKILL to torchrun's group) skips the
-    ~9 s of imports that torchrun and each of its fresh ranks pay. Returns the started multiprocessing Process."""
+    ~9 s of imports that torchrun and each of its fresh ranks pay. The launcher's log folder goes beside ``log`` (a
+    killed launcher leaves it). Returns the started multiprocessing Process."""
     p = _forkserver().Process(target=_ranks_in_session, args=(list(argv), str(log), nproc))
     p.start()
     return p
@@ -113,7 +114,7 @@ def _ranks_in_session(argv, log, nproc):
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
                        rdzv_endpoint=f"127.0.0.1:{free_port()}", run_id=f"e3k-{free_port()}", max_restarts=0,
                        start_method="fork", monitor_interval=0.05,
-                       logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="e3k-ranks-")))
+                       logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="e3k-ranks-", dir=os.path.dirname(log))))
     elastic_launch(cfg, main)(list(argv))
 
 
