@@ -143,7 +143,8 @@ def compute_alone(a, out: Path, ab: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from eagle3kit.drafter import data as D
-    from eagle3kit.drafter.train import forward_batch, setup
+    from eagle3kit.drafter.train import forward_batch
+    from eagle3kit.drafter.training_setup import setup
     from eagle3kit.drafter.ttt import TTTModule
 
     cfg = train_config(a, out, ab)
@@ -209,7 +210,7 @@ def pass_b(a, out: Path, data: Path) -> dict:
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter import vocab as V
     from eagle3kit.drafter.model import build
-    from eagle3kit.drafter.train import count_frequencies
+    from eagle3kit.drafter.training_setup import count_frequencies
     from eagle3kit.target import TargetInfo, resolve_target
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3.data import shift_batch

@@ -51,7 +51,7 @@ def test_step_masks_list_exactly_the_blocks_the_dense_masks_touch():
 
 def test_flex_drafter_gives_the_dense_drafters_logits(small_dataset, tmp_path):
     from eagle3kit.drafter import data as D
-    from eagle3kit.drafter.train import setup
+    from eagle3kit.drafter.training_setup import setup
 
     run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "s"), **TINY))
     src, tpb = run.train_src, run.cfg.tokens_per_batch
@@ -91,7 +91,7 @@ def test_flex_drafter_gives_the_dense_drafters_logits(small_dataset, tmp_path):
 def test_auto_attention_falls_back_to_dense_when_flex_fails(small_dataset, tmp_path, capsys):
     """attention=auto probes the flex path at the run's shapes; where it fails (here: a CPU, where flex has no
     backward) the run trains with SDPA and says so, instead of losing its budget."""
-    from eagle3kit.drafter.train import _probe_flex, setup
+    from eagle3kit.drafter.training_setup import _probe_flex, setup
 
     run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "s"), **TINY))
     assert run.extra["attention"] == "sdpa" and not flex.uses_flex(run.model)  # auto on a CPU: dense

@@ -61,7 +61,8 @@ def _real_batches(tmp_path, target_path, **cfg):
     import torch
 
     from eagle3kit.drafter import data as D
-    from eagle3kit.drafter.train import TrainConfig, forward_batch, setup
+    from eagle3kit.drafter.train import TrainConfig, forward_batch
+    from eagle3kit.drafter.training_setup import setup
     from eagle3kit.drafter.ttt import TTTModule
     from eagle3kit.pipeline import run_extraction
 

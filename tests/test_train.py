@@ -149,7 +149,7 @@ def test_a_recorded_post_norm_slot_gives_the_teacher_the_targets_own_logits(smal
     (normed again they are not). A record that the values contradict is refused."""
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter.model import TargetHead
-    from eagle3kit.drafter.train import _check_final_slot
+    from eagle3kit.drafter.training_setup import _check_final_slot
     from eagle3kit.store import derive
 
     post = tmp_path / "post"
@@ -416,7 +416,7 @@ def test_several_packed_rows_in_one_forward_equal_each_row_alone(small_dataset, 
     optimizer step as grad_accum."""
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter.objective import chain_count_tensor, teacher
-    from eagle3kit.drafter.train import setup
+    from eagle3kit.drafter.training_setup import setup
     from eagle3kit.drafter.ttt import draft_steps
 
     cfg = TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "s"), rows_per_batch=3, **TINY)
@@ -467,7 +467,7 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
     an evaluation's forward fails to compile."""
     import torch._dynamo
 
-    from eagle3kit.drafter import train as T
+    from eagle3kit.drafter import training_setup as S
 
     monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", torch._dynamo.config.cache_size_limit)
     graphs = []
@@ -492,7 +492,7 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
 
     try:
         eager, w_eager = run("eager")
-        monkeypatch.setattr(T, "COMPILE_BACKEND", recording)
+        monkeypatch.setattr(S, "COMPILE_BACKEND", recording)
         compiled, w_compiled = run("compiled", compile_layers=True)
         assert compiled["train_compiled_layers"] and not eager["train_compiled_layers"]
         # the layer in two graphs a call (speculators' layer breaks once on purpose after its input norms, for torch
@@ -502,7 +502,7 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
             torch.testing.assert_close(w_compiled[k], w_eager[k], rtol=1e-5, atol=1e-7)
         _, w_short = run("short", max_steps=2)
         assert max((w_short[k] - w_eager[k]).abs().max().item() for k in w_eager) > 1e-4  # the check can fail
-        monkeypatch.setattr(T, "COMPILE_BACKEND", broken)
+        monkeypatch.setattr(S, "COMPILE_BACKEND", broken)
         fallback, w_fallback = run("fallback", compile_layers=True)
         assert not fallback["train_compiled_layers"]
         for k in w_eager:
@@ -510,7 +510,7 @@ def test_compiled_layers_train_as_the_eager_layers(small_dataset, tmp_path, monk
         # the compile's trial runs an evaluation's forwards too: a graph that fails only there is found at setup,
         # not at the run's first evaluation (which would lose the run)
         torch._dynamo.reset()
-        monkeypatch.setattr(T, "COMPILE_BACKEND", broken_in_eval)
+        monkeypatch.setattr(S, "COMPILE_BACKEND", broken_in_eval)
         eval_fallback, w_eval_fallback = run("eval_fallback", compile_layers=True)
         assert not eval_fallback["train_compiled_layers"]
         for k in w_eager:
@@ -563,14 +563,14 @@ def test_offline_walk_on_the_first_replies_of_the_online_prompts(small_dataset, 
         offline.first_replies(object(), ids)
     assert first["offline_rows"] < sum(rows(e["loss_spans"]) for e in chosen) < whole["offline_rows"]
     # on a GPU the offline evaluation turns cuDNN's SDPA off, as training does (a plan per new shape: 10x slower)
-    from eagle3kit.drafter import train as T
+    from eagle3kit.drafter import training_setup as S
 
     seen, switched = [], []
     monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", switched.append)
-    T.no_cudnn_sdpa("cpu")
-    T.no_cudnn_sdpa(torch.device("cuda"))
+    S.no_cudnn_sdpa("cpu")
+    S.no_cudnn_sdpa(torch.device("cuda"))
     assert switched == [False]
-    monkeypatch.setattr(T, "no_cudnn_sdpa", lambda device: seen.append(torch.device(device).type))
+    monkeypatch.setattr(S, "no_cudnn_sdpa", lambda device: seen.append(torch.device(device).type))
     offline.evaluate_drafter(out / "best", small_dataset, max_batches=1, **kw)
     assert seen == ["cpu"]
     tok = AutoTokenizer.from_pretrained(target_path)
@@ -627,7 +627,7 @@ def test_training_mends_found_by_an_audit(small_dataset, tmp_path):
     assert rows[0]["grad_norm"] > 0 and rows[1]["lr"] == pytest.approx(TINY["lr"])  # step 2: the cosine's first
     assert rows[-1]["lr"] == pytest.approx(TINY["lr"] * TrainConfig.min_lr_ratio)  # the last step's own lr
 
-    from eagle3kit.drafter.train import setup
+    from eagle3kit.drafter.training_setup import setup
 
     run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "h"), heldout=str(small_dataset), **TINY))
     split = [e for e in (json.loads(x) for x in (small_dataset / "manifest.jsonl").read_text().splitlines())
@@ -706,7 +706,8 @@ def test_an_evaluation_runs_the_targets_full_head_once_per_batch(small_dataset, 
     """The full head (V columns) gives each held-out row's greedy token once; later evaluations of the same source
     compute only the draft vocabulary's columns, and count the same (the untrained drafter: nothing changed)."""
     from eagle3kit.drafter import objective
-    from eagle3kit.drafter.train import evaluate, setup
+    from eagle3kit.drafter.train import evaluate
+    from eagle3kit.drafter.training_setup import setup
 
     monkeypatch.setattr(objective, "KNOWN_MAX_BYTES", 0)  # this run's own tokens, not another training's in this process
     run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "e"), **TINY))
@@ -728,7 +729,7 @@ def test_later_epochs_run_the_targets_full_head_only_for_samples_not_seen(small_
     a sample cut shorter in one batch than in another, and the bound."""
     from eagle3kit.drafter import objective
     from eagle3kit.drafter.objective import TeacherTokens
-    from eagle3kit.drafter.train import setup
+    from eagle3kit.drafter.training_setup import setup
 
     monkeypatch.setattr(objective, "KNOWN_MAX_BYTES", 0)  # each run's own full-head rows (known_greedy_tokens off)
     run = setup(TrainConfig(data=str(small_dataset), out_dir=str(tmp_path / "probe"), **TINY))

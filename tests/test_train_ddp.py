@@ -155,7 +155,7 @@ def test_two_gloo_ranks_fit_their_schedule_together(small_dataset, tmp_path):
 def test_each_rank_trains_on_its_own_gpu():
     """Under torchrun, device=cuda means each rank's own GPU (NCCL refuses two ranks on one: "Duplicate GPU"), and one
     GPU index for every rank is refused naming the fix; a single process keeps the device it was given."""
-    from eagle3kit.drafter.train import Dist, _device
+    from eagle3kit.drafter.training_setup import Dist, _device
 
     assert _device(TrainConfig(data="d", out_dir="o", device="cuda"), Dist(1, 2, 1)) == torch.device("cuda", 1)
     assert _device(TrainConfig(data="d", out_dir="o", device="cuda"), Dist(3, 4, 1)) == torch.device("cuda", 1)

@@ -17,12 +17,13 @@ import torch
 
 def evaluation_run(drafter_dir, data, split: str = "heldout", tokens_per_batch: int = 4096, device: str = "auto",
                    first_replies_of=None, reply_tokens: int | None = None):
-    """A ``train.Run`` around an exported drafter and a data set split (what ``train.evaluate`` takes);
+    """A ``training_setup.Run`` around an exported drafter and a data set split (what ``train.evaluate`` takes);
     ``first_replies_of``, ``reply_tokens``: see ``evaluate_drafter``."""
     from eagle3kit.drafter import data as D
     from eagle3kit.drafter.export import load_sglang_export
     from eagle3kit.drafter.model import TargetHead
-    from eagle3kit.drafter.train import Dist, Run, TrainConfig, _check_final_slot, count_frequencies, no_cudnn_sdpa
+    from eagle3kit.drafter.train_config import TrainConfig
+    from eagle3kit.drafter.training_setup import Dist, Run, _check_final_slot, count_frequencies, no_cudnn_sdpa
     from eagle3kit.drafter.vocab import DraftVocab
     from eagle3kit.target import TargetInfo, resolve_target
 

@@ -1,6 +1,6 @@
 """A live training's data: conversations rendered as extract renders them, a capture engine, the stream between
-them, and the held-out set (captured once, checked, kept in host RAM). ``drafter.train.setup`` calls ``open_live``
-when its TrainConfig has ``live`` settings."""
+them, and the held-out set (captured once, checked, kept in host RAM). ``drafter.training_setup.setup`` calls
+``open_live`` when its TrainConfig has ``live`` settings."""
 from __future__ import annotations
 
 import hashlib
