@@ -327,7 +327,7 @@ def test_live_with_regenerated_replies_trains_as_from_files_extracted_with_them(
 
 def test_the_stream_captures_while_the_untrained_drafter_is_evaluated(tmp_path, monkeypatch):
     """The first epoch is handed to the stream before the initial evaluation, so its captures overlap that evaluation
-    (on a GPU ~40 s, and the first step's compile after it) instead of starting with the first step. The evaluation
+    (~40 s on a GPU) instead of starting with the first step. The evaluation
     here waits until the stream holds a capture; a stream started only by the training loop never does (20 s)."""
     import eagle3kit.drafter.train as T
     from eagle3kit.drafter.train import TrainConfig, train

@@ -375,8 +375,8 @@ def _train(cfg: TrainConfig, dist: Dist, out: Path, t_call: float, spent: dict,
 
     scheduled = None  # (epoch, in_epoch) handed to the stream before the loop
     if live is not None and state["step"] < total_steps:
-        # the stream starts capturing the first rows now, while the untrained drafter is evaluated (and the first
-        # step compiles), instead of after: its bound fills before the first step asks
+        # the stream starts capturing the first rows now, while the untrained drafter is evaluated, instead of at the
+        # first step: its bound fills before the first step asks
         scheduled = divmod(state["step"], steps_per_epoch)
         schedule_live(*scheduled, epoch_rows(*scheduled))
     setup_seconds = _now() - t_call
