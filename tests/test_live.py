@@ -266,8 +266,6 @@ def test_two_gloo_ranks_train_live_as_they_train_from_files(file_run, tmp_path):
     """DDP live: two gloo ranks (torch's launcher), each capturing only its own batches (batch j on rank j % 2) through its own
     stream, end with the weights of the same two ranks trained from files of the same conversations; no sample is
     lost or read twice on either rank, and no hidden state reaches the disk."""
-    import socket
-
     from safetensors.torch import load_file
 
     from tests.training_runs import launch

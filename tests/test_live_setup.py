@@ -10,8 +10,8 @@ import pytest
 
 import eagle3kit.extract as E
 import eagle3kit.live.session as S
-from eagle3kit.drafter.training_setup import Dist
 from eagle3kit.drafter.train_config import TrainConfig
+from eagle3kit.drafter.training_setup import Dist
 from eagle3kit.live.config import LiveError
 
 

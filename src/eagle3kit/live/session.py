@@ -159,8 +159,7 @@ def open_live(cfg, dist, out_dir: Path):
         val_src = MemorySource(_capture_once(live, val, info, validation_key), info) if val else None
         seconds["live_setup_capture_seconds"] = time.monotonic() - t0
         print(f"[live] {report.records} conversations rendered in {seconds['live_setup_render_seconds']:.1f} s "
-              f"({usable_cores()} cores usable); "
-              f"the capture server ready "
+              f"({usable_cores()} cores usable); the capture server ready "
               f"{seconds['live_setup_server_wait_seconds']:.1f} s after; {len(held)} held-out and {len(val)} validation "
               f"samples captured and checked in {seconds['live_setup_capture_seconds']:.1f} s", flush=True)
         extras = {"live_conversations": report.records, "live_train_conversations": len(train),
